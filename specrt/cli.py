@@ -1,0 +1,136 @@
+"""specrt command line: build, generate, bench, inspect.
+
+`build` imports the exporter (torch); the other commands import only the runtime.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specrt.errors import SpecrtError
+
+
+def _sampling(a):
+    from specrt.runtime.sampling import SamplingParams
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+
+
+def cmd_build(a) -> int:
+    from specrt.config import PRESETS, BuildConfig
+    from specrt.pipeline import build
+    if a.preset:
+        if a.preset not in PRESETS:
+            raise SpecrtError(f"unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
+        cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
+                                      prefill_chunk=a.prefill_chunk, k=a.k)
+    else:
+        if not (a.target and a.out):
+            raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
+        cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
+                                                            prefill_chunk=a.prefill_chunk, k=a.k)
+    out = build(cfg, progress=not a.quiet)
+    print(f"built {out}  (inspect with: specrt inspect {out})")
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from specrt.runtime import SpeculativeGenerator
+    gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads)
+    method = "plain" if a.plain else "speculative"
+    for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
+                            chat=not a.raw, method=method):
+        print(chunk.text, end="", flush=True)
+    print()
+    m = gen.last_metrics
+    if a.json:
+        print(json.dumps(m.as_dict(), indent=2))
+    else:
+        print(f"-- {m.summary()}", file=sys.stderr)
+    if m.finish_reason == "max_context":
+        print(f"-- stopped at the maximum context ({gen.shapes.max_context} tokens): rebuild with a larger "
+              "--max-context for longer outputs", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from specrt.bench import run_bench
+    report = run_bench(a.engines, prompts=a.prompts, max_new_tokens=a.max_new_tokens, rounds=a.rounds, k=a.k,
+                       threads=a.threads, sampling=_sampling(a), hf_reference=a.hf_reference, out=print)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["identical"] or not report["greedy"] else 0
+
+
+def cmd_inspect(a) -> int:
+    from specrt import manifest as mf
+    from specrt.inspect import describe
+    man = mf.load(a.engines)
+    print(json.dumps(json.loads(man.to_json()), indent=2) if a.json else describe(man))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specrt", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="export + calibrate + build engines into a folder with a manifest")
+    b.add_argument("--preset", help="a named configuration, e.g. smollm2")
+    b.add_argument("--target", help="Hugging Face directory (config.json + safetensors) or .gguf file")
+    b.add_argument("--draft", help="int8 | none | truncate:N | path to a draft model")
+    b.add_argument("--out", help="output folder")
+    b.add_argument("--max-context", type=int)
+    b.add_argument("--prefill-chunk", type=int)
+    b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(fn=cmd_build)
+
+    def sampling_args(s):
+        s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        s.add_argument("--top-k", type=int, default=0)
+        s.add_argument("--top-p", type=float, default=1.0)
+        s.add_argument("--seed", type=int, default=None)
+        s.add_argument("--k", type=int, default=None, help="draft tokens per iteration (<= the built k)")
+        s.add_argument("--threads", type=int, default=2)
+        s.add_argument("--max-new-tokens", type=int, default=128)
+
+    g = sub.add_parser("generate", help="stream a completion")
+    g.add_argument("engines", help="folder written by `specrt build`")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--plain", action="store_true", help="plain decoding (no draft)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print metrics as JSON")
+    sampling_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    be = sub.add_parser("bench", help="plain vs speculative on the same prompts, interleaved, in one run")
+    be.add_argument("engines")
+    be.add_argument("--prompts", type=int, default=8, help="how many built-in prompts")
+    be.add_argument("--rounds", type=int, default=1)
+    be.add_argument("--hf-reference", metavar="MODEL", help="also time Hugging Face generate on this model source")
+    be.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    sampling_args(be)
+    be.set_defaults(fn=cmd_bench)
+
+    i = sub.add_parser("inspect", help="print a manifest readably")
+    i.add_argument("engines")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return a.fn(a)
+    except SpecrtError as e:
+        print(f"specrt: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

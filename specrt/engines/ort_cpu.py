@@ -1,0 +1,54 @@
+"""Assemble the CPU artifacts of a build into a manifest."""
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+
+from specrt import __version__
+from specrt import manifest as mf
+
+
+def tool_versions() -> dict:
+    import onnx
+    import onnxruntime
+
+    versions = {"specrt": __version__, "python": platform.python_version(), "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__}
+    for name in ("torch", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return versions
+
+
+def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
+    graphs = {g: mf.GraphEntry(file=f"{subdir}/{e['file']}", tokens=e["tokens"], sha256=e["sha256"])
+              for g, e in part["graphs"].items()}
+    weights = {**part["weights"], "file": f"{subdir}/{part['weights']['file']}"}
+    return mf.ModelEntry(role=role, family=part["family"], precision=part["precision"], dims=part["dims"],
+                         graphs=graphs, weights=weights, source=part["source"], kv=part["kv"],
+                         parity=part.get("parity", {}))
+
+
+def write_manifest(out: Path, shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict) -> mf.Manifest:
+    """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}."""
+    models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
+    man = mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=mf.this_device(),
+                      tools=tool_versions(), build=build)
+    mf.check_files(man, out, hashes=True)
+    man.save(out)
+    return man
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished build into place; the previous build survives a failed one."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)

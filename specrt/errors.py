@@ -1,0 +1,41 @@
+"""Typed errors. Each message says what went wrong and what to do about it.
+
+Every error a user can provoke with bad input derives from `SpecrtError`, so a
+service can catch one class; `assert` is kept for internal invariants only.
+"""
+
+
+class SpecrtError(Exception):
+    """Base class for every error specrt raises on purpose."""
+
+
+class ModelSourceError(SpecrtError):
+    """The model directory or GGUF file cannot be read, or its architecture is unsupported."""
+
+
+class ExportError(SpecrtError):
+    """torch -> ONNX export failed."""
+
+
+class ParityError(SpecrtError):
+    """An exported graph disagrees with its reference beyond the stated tolerance."""
+
+
+class ManifestError(SpecrtError):
+    """A manifest is missing, corrupt, from another version/device, or does not match the request."""
+
+
+class GraphFileError(ManifestError):
+    """A graph or weight file named by the manifest is missing or corrupt."""
+
+
+class TokenizerMismatchError(SpecrtError):
+    """Draft and target do not share a vocabulary / tokenizer."""
+
+
+class ContextLengthError(SpecrtError):
+    """A prompt does not fit in the engine's static maximum context."""
+
+
+class SamplingParamsError(SpecrtError, ValueError):
+    """Sampling parameters outside their valid range."""

@@ -1,0 +1,172 @@
+"""The one decoder we export: a torch module rebuilt from a Hugging Face state dict
+under an `ArchSpec`, written for static shapes and the preallocated KV contract.
+
+KV contract (one graph per T: prefill chunk, decode T=1, verify T=k+1):
+
+    inputs   input_ids  [1, T] int64
+             past_len   [1]    int64      tokens already in the cache
+             past_k_{i} [1, KVH, M, D]    M = kv capacity (max_context + window)
+             past_v_{i} [1, KVH, M, D]
+    outputs  logits     [1, T, V]  float32
+             new_k_{i}  [1, KVH, T, D]    K/V of the T new tokens (positions past_len..+T)
+             new_v_{i}  [1, KVH, T, D]
+
+The caller writes new_k/new_v into the cache at [past_len, past_len + T); rejecting
+draft tokens only lowers the length. Cache rows >= past_len are masked, so stale rows
+are harmless. Attention never concatenates the cache (that would copy M rows per
+layer per step): scores against the cache and against the new block are computed
+separately and joined only after the dot products:
+
+    q ──┬─ q·past_kᵀ [.., G*T, M] ─ mask(j < past_len) ─┐
+        └─ q·new_kᵀ  [.., G*T, T] ─ mask(causal) ───────┴─ concat ─ softmax ─┬─ [:M] · past_v ─┐
+                                                                             └─ [M:] · new_v  ──┴─ + ─ o
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from specrt.export.specs import ArchSpec, Dims
+
+
+def _w(sd: dict, name: str) -> nn.Parameter:
+    return _param(sd[name])
+
+
+class StaticDecoder(nn.Module):
+    def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, *, tokens: int, kv_capacity: int,
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0):
+        super().__init__()
+        self.spec, self.dims, self.T, self.M = spec, dims, tokens, kv_capacity
+        W = spec.weights
+        # lm_head is stored [C, V] so MatMul's B is a plain initializer (quantizable); a tied
+        # model gathers its embeddings from the same table by column: one copy of V*C weights
+        tied = dims.tied or W["lm_head"] not in sd
+        self.lm_head = _param(sd[W["embed" if tied else "lm_head"]].t())
+        self.embed = None if tied else _param(sd[W["embed"]])
+        self.final_norm = _w(sd, W["final_norm"])
+        self.final_norm_bias = _w(sd, W["final_norm_bias"]) if "final_norm_bias" in W else None
+        if spec.positions == "learned":
+            self.pos_embed = _w(sd, W["pos_embed"])
+        else:
+            self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+            self.rope_scale = attention_scaling
+            self.register_buffer("rot", rotate_half_matrix(dims.head_dim), persistent=False)
+        self.layers = nn.ModuleList(_Layer(spec, dims, sd, i) for i in range(dims.layers))
+        T, G = tokens, dims.group
+        # causal mask of the new block, one copy per query group: [G*T, T]
+        causal = torch.tril(torch.ones(T, T, dtype=torch.bool)).repeat(G, 1)
+        self.register_buffer("causal", causal, persistent=False)
+        self.register_buffer("cache_pos", torch.arange(kv_capacity, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_pos", torch.arange(T, dtype=torch.int64), persistent=False)
+
+    def forward(self, input_ids, past_len, *past):
+        # input_ids: [1, T]; past_len: [1]; past: 2*L tensors [1, KVH, M, D]
+        pos = past_len + self.step_pos                                   # [T]
+        if self.embed is None:
+            x = self.lm_head[:, input_ids[0]].t().unsqueeze(0)               # [1, T, C]
+        else:
+            x = self.embed[input_ids[0]].unsqueeze(0)
+        if self.spec.positions == "learned":
+            # padded prefill rows may run past the table; they are never read
+            x = x + self.pos_embed[pos.clamp(max=self.dims.max_positions - 1)].unsqueeze(0)
+            rope = None
+        else:
+            freqs = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]   # [T, D/2]
+            emb = torch.cat([freqs, freqs], dim=-1)                          # [T, D]
+            rope = (emb.cos() * self.rope_scale, emb.sin() * self.rope_scale, self.rot)
+        valid = self.cache_pos < past_len                                     # [M]
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, self.causal, rope)
+            new_kv += [k, v]
+        x = _norm(self.spec, x, self.final_norm, self.final_norm_bias, self.dims.eps)
+        logits = x @ self.lm_head                                           # [1, T, V]
+        return (logits, *new_kv)
+
+
+def _norm(spec, x, w, b, eps):
+    if spec.norm == "rms":
+        # written as ORT's SimplifiedLayerNormalization fusion expects (Pow-ReduceMean-Add-Sqrt-Div)
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def rotate_half_matrix(d: int) -> torch.Tensor:
+    """[D, D] with x @ R == cat(-x[d/2:], x[:d/2]): one MatMul instead of Slice/Neg/Concat."""
+    r = torch.zeros(d, d)
+    h = d // 2
+    r[torch.arange(h) + h, torch.arange(h)] = -1.0
+    r[torch.arange(h), torch.arange(h) + h] = 1.0
+    return r
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().to(torch.float32).contiguous(), requires_grad=False)
+
+
+class _Layer(nn.Module):
+    """One block. Linear weights are stored [in, out] (MatMul's B as a plain initializer, so
+    quantizers see them), q/k/v are one MatMul and gate/up another: fewer, larger ops."""
+
+    def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, i: int):
+        super().__init__()
+        self.spec, self.dims = spec, dims
+        W = {k: v.format(i=i) for k, v in spec.weights.items()}
+        get = lambda key: sd[W[key]].to(torch.float32)                     # noqa: E731
+        has = lambda key: key in W and W[key] in sd                          # noqa: E731
+        # HF Linear stores [out, in]; GPT-2 Conv1D already stores [in, out]
+        lin = (lambda key: get(key)) if spec.conv1d else (lambda key: get(key).t())  # noqa: E731
+        self.norm1, self.norm2 = _param(get("norm1")), _param(get("norm2"))
+        self.norm1_bias = _param(get("norm1_bias")) if has("norm1_bias") else None
+        self.norm2_bias = _param(get("norm2_bias")) if has("norm2_bias") else None
+        if spec.fused_qkv:
+            self.qkv, self.qkv_b = _param(lin("qkv")), _param(get("qkv_bias"))    # [C, 3C]
+        else:
+            self.qkv = _param(torch.cat([lin("q"), lin("k"), lin("v")], dim=1))  # [C, (H+2KVH)*D]
+            self.qkv_b = (_param(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
+                          if dims.qkv_bias else None)
+        self.o = _param(lin("o"))
+        self.o_b = _param(get("o_bias")) if has("o_bias") else None
+        if spec.mlp == "gated_silu":
+            self.gate_up = _param(torch.cat([lin("gate"), lin("up")], dim=1))     # [C, 2I]
+            self.down = _param(lin("down"))
+        else:
+            self.fc, self.fc_b = _param(lin("fc")), _param(get("fc_bias"))
+            self.proj, self.proj_b = _param(lin("proj")), _param(get("proj_bias"))
+
+    @staticmethod
+    def _lin(x, w, b):
+        y = x @ w
+        return y if b is None else y + b
+
+    def forward(self, x, past_k, past_v, valid, causal, rope):
+        # x: [1, T, C]; past_k/v: [1, KVH, M, D]; valid: [M] bool; causal: [G*T, T] bool
+        d = self.dims
+        T, H, KVH, D, G = x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
+        h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
+        qkv = self._lin(h, self.qkv, self.qkv_b).view(1, T, H + 2 * KVH, D).transpose(1, 2)  # [1, H+2KVH, T, D]
+        qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
+        if rope is not None:
+            cos, sin, rot = rope                                                   # [T, D], [D, D]
+            qk = qk * cos + (qk @ rot) * sin                                       # q and k rotated together
+        q, k = qk[:, :H], qk[:, H:]                                               # [1, H, T, D], [1, KVH, T, D]
+        # head h reads kv head h // G (HF repeat_kv order): [1, KVH, G*T, D]
+        qg = (q * (1.0 / math.sqrt(D))).reshape(1, KVH, G * T, D)
+        s_past = (qg @ past_k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))  # [1, KVH, G*T, M]
+        s_new = (qg @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))       # [1, KVH, G*T, T]
+        a = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
+        M = past_k.shape[2]
+        o = a[..., :M] @ past_v + a[..., M:] @ v                                      # [1, KVH, G*T, D]
+        o = o.reshape(1, H, T, D).transpose(1, 2).reshape(1, T, H * D)
+        x = x + self._lin(o, self.o, self.o_b)
+        h = _norm(self.spec, x, self.norm2, self.norm2_bias, d.eps)
+        if self.spec.mlp == "gated_silu":
+            gate, up = (h @ self.gate_up).chunk(2, dim=-1)
+            m = (nn.functional.silu(gate) * up) @ self.down
+        else:
+            m = self._lin(nn.functional.gelu(self._lin(h, self.fc, self.fc_b), approximate="tanh"),
+                          self.proj, self.proj_b)
+        return x + m, k, v

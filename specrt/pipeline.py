@@ -1,0 +1,169 @@
+"""`specrt build`: export -> calibration -> engines, into one folder with a manifest.
+
+The build writes into `<out>.partial` and moves it into place only when every graph
+passed parity, so a failed build never destroys the previous artifacts.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from specrt.config import BuildConfig
+from specrt.errors import TokenizerMismatchError
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
+    from tqdm.auto import tqdm
+
+    from specrt import manifest as mf
+    from specrt.calibration import int8, measure
+    from specrt.engines import ort_cpu
+    from specrt.export import onnx_export, parity, sources
+
+    shapes, kind = cfg.shapes, cfg.draft_kind
+    out = Path(cfg.out)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
+    bar = tqdm(total=n_graphs + 3, desc="build", unit="step", disable=not progress)
+    t_start = time.perf_counter()
+
+    def step(msg):
+        bar.set_postfix_str(msg)
+        bar.update(1)
+
+    bar.set_postfix_str("loading target")
+    tgt = sources.load_source(cfg.target)
+    step("target loaded")
+    _check_window(tgt, shapes)
+    part = onnx_export.export_model(tgt, shapes, tmp / "target", progress=lambda g: step(f"target {g} exported"))
+    part["parity"] = parity.check_parity(tgt.model, tmp / "target", part, shapes, rtol=tgt.spec.parity_rtol)
+    tok_info = _save_tokenizer(tgt, tmp)
+    part.update(subdir="target", family=tgt.spec.family, precision="fp32",
+                source={**tgt.identity, "tokenizer_sha256": tok_info["sha256"]},
+                kv={"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
+                    "shares_cache_with": None})
+    parts = {"target": part}
+    step("target parity checked")
+
+    if kind in ("int8", "int8-dynamic"):
+        method = "blockwise" if kind == "int8" else "dynamic"
+        d = int8.quantize_model(tmp / "target", part, tmp / "draft", graphs=("decode",), method=method)
+        step("draft quantized")
+        d["parity"] = {"agreement_with_target": measure.draft_agreement(
+            tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=True)}
+        d.update(subdir="draft", family=tgt.spec.family, precision="int8-" + method,
+                 source={**tgt.identity, "derived": f"int8 ({method}) copy of the target",
+                         "tokenizer_sha256": tok_info["sha256"]},
+                 kv={"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
+                     "shares_cache_with": "target"})
+        parts["draft"] = d
+    elif kind in ("truncate", "model"):
+        if kind == "truncate":
+            dm, layers = tgt, cfg.truncate_layers
+            if layers >= tgt.dims.layers:
+                from specrt.errors import SpecrtError
+                raise SpecrtError(f"draft={cfg.draft!r}: the target has only {tgt.dims.layers} layers")
+            reference = _truncated_reference(tgt.model, layers)
+            derived = {"derived": f"first {layers} of {tgt.dims.layers} target layers"}
+        else:
+            dm, layers = sources.load_source(cfg.draft), None
+            reference, derived = dm.model, {}
+            _check_same_tokenizer(tgt, dm)
+        d = onnx_export.export_model(dm, shapes, tmp / "draft", graphs=("prefill", "decode"), layers=layers,
+                                     progress=lambda g: step(f"draft {g} exported"))
+        d["parity"] = parity.check_parity(reference, tmp / "draft", d, shapes, rtol=dm.spec.parity_rtol)
+        d["parity"]["agreement_with_target"] = measure.draft_agreement(
+            tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=False)
+        d.update(subdir="draft", family=dm.spec.family, precision="fp32",
+                 source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
+                 kv={"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
+                     "shares_cache_with": None})
+        parts["draft"] = d
+    build_info = {"config": cfg.as_dict(), "seconds": round(time.perf_counter() - t_start, 1)}
+    ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info)
+    step("manifest written")
+    bar.close()
+    ort_cpu.replace_dir(tmp, out)
+    log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
+    return out
+
+
+def _check_window(lm, shapes) -> None:
+    from specrt.errors import SpecrtError
+    if shapes.kv_capacity > lm.dims.max_positions and lm.spec.positions == "learned":
+        raise SpecrtError(f"max_context={shapes.max_context} + window exceeds the model's {lm.dims.max_positions} "
+                          "learned positions: lower --max-context")
+    if shapes.max_context > lm.dims.max_positions:
+        raise SpecrtError(f"max_context={shapes.max_context} exceeds the model's max_position_embeddings="
+                          f"{lm.dims.max_positions}: lower --max-context")
+    sw = lm.identity.get("sliding_window")
+    if sw and sw < shapes.kv_capacity:
+        raise SpecrtError(f"the model uses sliding-window attention ({sw} tokens) and max_context + window "
+                          f"= {shapes.kv_capacity} exceeds it; specrt does not export sliding windows: "
+                          f"use --max-context below {sw - shapes.prefill_chunk}")
+
+
+def _save_tokenizer(lm, out: Path) -> dict:
+    from specrt import manifest as mf
+    tok = lm.tokenizer
+    tmp = out / "_tokenizer"
+    tok.save_pretrained(str(tmp))
+    path = out / "tokenizer.json"
+    shutil.move(str(tmp / "tokenizer.json"), path)
+    shutil.rmtree(tmp)
+    eos = set()
+    if tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        eos.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    return {"file": "tokenizer.json", "sha256": mf.sha256_file(path), "chat_template": tok.chat_template,
+            "eos_token_ids": sorted(eos), "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+            "bos_token_id": tok.bos_token_id, "vocab_size": len(tok)}
+
+
+def _check_same_tokenizer(a, b) -> None:
+    va, vb = a.tokenizer.get_vocab(), b.tokenizer.get_vocab()
+    if va != vb:
+        only = len(set(va.items()) ^ set(vb.items()))
+        raise TokenizerMismatchError(
+            f"draft and target tokenizers differ ({len(va)} vs {len(vb)} entries, {only} mismatched): speculative "
+            "decoding needs one shared vocabulary; pick a draft from the same model family")
+    if a.dims.vocab != b.dims.vocab:
+        raise TokenizerMismatchError(f"draft logits have {b.dims.vocab} entries, the target's {a.dims.vocab}: "
+                                     "the vocabularies must be the same size")
+
+
+def _truncated_reference(model, layers: int):
+    import copy
+    ref = copy.copy(model)             # shallow: shares weights
+    ref.model = copy.copy(model.model)
+    ref.model.layers = model.model.layers[:layers]
+    ref.model.config = copy.copy(model.model.config)
+    ref.model.config.num_hidden_layers = layers
+    return ref
+
+
+def _prompt_ids(lm) -> list[list[int]]:
+    from specrt.prompts import PROMPTS
+    tok = lm.tokenizer
+    out = []
+    for p in PROMPTS[:4]:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) \
+            if tok.chat_template else p
+        ids = tok(text, add_special_tokens=not tok.chat_template)["input_ids"]
+        out.append([int(i) % lm.dims.vocab for i in ids])
+    return out
+
+
+def describe(path: Path) -> str:
+    from specrt import manifest as mf
+    return json.dumps(json.loads((Path(path) / mf.FILENAME).read_text()), indent=2)

@@ -1,0 +1,204 @@
+"""`SpeculativeGenerator`: the public runtime API.
+
+    gen = SpeculativeGenerator("artifacts/smollm2")
+    for chunk in gen.stream("Tell me a joke.", chat=True, max_new_tokens=64):
+        print(chunk.text, end="", flush=True)
+    print(gen.last_metrics.summary())
+
+Everything it knows comes from the manifest; it imports neither torch, transformers,
+nor the exporter.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from specrt import manifest as mf
+from specrt.errors import ContextLengthError, SamplingParamsError, TokenizerMismatchError
+from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
+from specrt.runtime.metrics import Metrics
+from specrt.runtime.ort_backend import MEMORY_MODES, OrtModel
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.tokenizer import IncrementalDecoder, Tokenizer
+
+METHODS = ("speculative", "plain")
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output: the text it adds and the tokens behind it."""
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    metrics: Metrics
+    prompt_tokens: int = 0
+    message: str = field(default="")
+
+
+class SpeculativeGenerator:
+    def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
+                 memory: str = "fast", verify_hashes: bool = False):
+        self.root = Path(engine_dir)
+        self.manifest = man = mf.load(self.root)
+        mf.check_device(man)
+        mf.check_files(man, self.root, hashes=verify_hashes)
+        self.shapes = man.shapes
+        self.k = man.shapes.k if k is None else int(k)
+        if not 1 <= self.k <= man.shapes.k:
+            raise SamplingParamsError(
+                f"k={k} is outside [1, {man.shapes.k}]: the verify graph was built for k={man.shapes.k}; "
+                f"rebuild with --k {k} for a larger window")
+        if memory not in MEMORY_MODES:
+            raise SamplingParamsError(f"memory={memory!r}; choose one of {MEMORY_MODES}")
+        self.tokenizer = Tokenizer(self.root, man.tokenizer)
+        self.target = OrtModel(self.root, man.target, man.shapes, threads=threads, memory=memory)
+        self.draft = None
+        if man.draft is not None:
+            _check_same_vocab(man)
+            shared = man.draft.shares_cache_with == "target"
+            self.draft = OrtModel(self.root, man.draft, man.shapes, threads=threads, memory=memory,
+                                  cache=self.target.cache if shared else None,
+                                  graphs=("decode",) if shared else ("prefill", "decode"))
+        self.vocab = int(man.target.dims["vocab"])
+        self.ws = Workspace(self.k, self.vocab)
+        self.last_metrics: Metrics | None = None
+
+    # --- token level ------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False,
+                      system: str | None = None) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               method: str = "speculative") -> Iterator[Emitted]:
+        """Yield generated tokens as they become final (EOS included; the caller stops)."""
+        sampling = sampling or SamplingParams()
+        if method not in METHODS:
+            raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
+        if method == "speculative" and self.draft is None:
+            raise SamplingParamsError("these engines have no draft model: use method='plain' or rebuild with a draft")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SamplingParamsError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        P, C = len(prompt_ids), self.shapes.max_context
+        if P == 0:
+            raise ContextLengthError("the prompt is empty: give at least one token")
+        if P >= C:
+            raise ContextLengthError(
+                f"the prompt has {P} tokens; the engines were built with max_context={C}, leaving no room to "
+                f"generate: shorten the prompt or rebuild with --max-context {P + max_new_tokens}")
+        if max(prompt_ids) >= self.vocab or min(prompt_ids) < 0:
+            raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab})")
+        budget = min(max_new_tokens, C - P)
+        m = self.last_metrics = Metrics(method=method, k=self.k if method == "speculative" else 0, prompt_tokens=P)
+        rng = np.random.default_rng(sampling.seed)
+        t_start = time.perf_counter()
+        try:
+            first = prefill(self.target, self.target.entry.graphs["prefill"].tokens, prompt_ids)
+            if method == "speculative" and self.draft.cache is not self.target.cache:
+                prefill(self.draft, self.draft.entry.graphs["prefill"].tokens, prompt_ids)
+            m.time_prefill = time.perf_counter() - t_start
+            if method == "plain":
+                inner = plain_decode(self.target, first, P, budget, sampling, rng, self.ws, m)
+            else:
+                inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
+                                           draft_start=P, shared_cache=self.draft.cache is self.target.cache,
+                                           seq=list(prompt_ids))
+            with _closing(inner):
+                yield from inner
+            m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")
+        finally:
+            m.time_total = time.perf_counter() - t_start
+
+    # --- text level -------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
+               system: str | None = None, method: str = "speculative") -> Iterator[Chunk]:
+        """Yield text chunks as tokens are accepted; stops on EOS, a stop string, the token
+        budget or the maximum context (`last_metrics.finish_reason` says which)."""
+        ids = self.encode_prompt(prompt, chat=chat, system=system)
+        eos = self.tokenizer.eos_token_ids
+        dec = IncrementalDecoder(self.tokenizer)
+        stop = [s for s in stop if s]
+        held = ""   # text not yet released because it may be the start of a stop string
+        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method)
+        with _closing(gen):
+            for e in gen:
+                if e.token in eos:
+                    self.last_metrics.finish_reason = "eos"
+                    break
+                held += dec.push(e.token)
+                hit = min((i for i in (held.find(s) for s in stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    if hit:
+                        yield Chunk(held[:hit], [e.token], [e.from_draft])
+                    self.last_metrics.finish_reason = "stop"
+                    break
+                keep = _partial_stop_suffix(held, stop)
+                out, held = held[:len(held) - keep], held[len(held) - keep:]
+                yield Chunk(out, [e.token], [e.from_draft])
+            else:
+                if held:
+                    yield Chunk(held, [], [])
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
+        chunks = list(self.stream(prompt, **kw))
+        m = self.last_metrics
+        msg = ""
+        if m.finish_reason == "max_context":
+            msg = (f"stopped at the maximum context ({self.shapes.max_context} tokens); rebuild with a larger "
+                   "--max-context for longer outputs")
+        return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                          m.finish_reason, m, m.prompt_tokens, msg)
+
+
+def _partial_stop_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+class _closing:
+    """Close a generator when leaving the block, so its `finally` rewinds the caches."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __enter__(self):
+        return self.gen
+
+    def __exit__(self, *exc):
+        self.gen.close()
+        return False
+
+
+def _check_same_vocab(man: mf.Manifest) -> None:
+    t, d = man.target, man.draft
+    if int(t.dims["vocab"]) != int(d.dims["vocab"]):
+        raise TokenizerMismatchError(
+            f"draft vocabulary ({d.dims['vocab']}) differs from the target's ({t.dims['vocab']}): speculative "
+            "decoding needs one shared tokenizer; pick a draft from the same model family")
+    td, dd = t.source.get("tokenizer_sha256"), d.source.get("tokenizer_sha256")
+    if td and dd and td != dd:
+        raise TokenizerMismatchError(
+            "draft and target were built from different tokenizers (tokenizer.json hashes differ): "
+            "speculative decoding needs one shared tokenizer")

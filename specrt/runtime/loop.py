@@ -1,0 +1,174 @@
+"""The decode loops: plain autoregressive and speculative (propose, verify, accept).
+
+Glossary (vLLM's): per iteration the draft proposes k *draft* tokens; the target's
+verify pass over [current, draft...] gives k+1 distributions; the longest prefix that
+passes the accept rule is *accepted*; at the first rejection a *recovered* token is
+sampled from the residual; if all k pass, a *bonus* token comes from the last row. So
+every iteration emits between 1 and k+1 tokens, and the target never runs more than
+once per iteration.
+
+Both loops are generators yielding `Emitted` as soon as a token is final, and they
+leave the caches consistent (length == tokens that have KV) when the caller stops
+early: the `finally` blocks rewind to what was emitted.
+
+Allocation: every buffer is made in `Workspace` before the loop; the greedy path
+allocates no arrays per step (tests/runtime/test_no_alloc.py). Top-k / top-p sampling
+allocates inside `probs_from_logits` (a sort), as documented there.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from specrt.runtime.metrics import Metrics
+from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
+
+
+class Model(Protocol):
+    """What the loop needs of a backend model (OrtModel implements it)."""
+    cache: object  # has .length, .rewind_to(n)
+
+    def step(self, graph: str, tokens, start: int) -> np.ndarray:  # -> logits [n, V]
+        ...
+
+
+@dataclass(frozen=True)
+class Emitted:
+    token: int
+    from_draft: bool
+
+
+class Workspace:
+    """Every buffer the loops touch, allocated once for (k, vocab)."""
+
+    def __init__(self, k: int, vocab: int):
+        self.k = k
+        self.p = np.zeros((k + 1, vocab), np.float32)       # warped target rows
+        self.q = np.zeros((max(k, 1), vocab), np.float32)    # warped draft rows
+        self.scratch = np.zeros(vocab, np.float32)
+        self.argmax = np.zeros(k + 1, np.int64)
+        self.draft_tokens = np.zeros(max(k, 1), np.int64)
+        self.verify_tokens = [0] * (k + 1)
+
+
+def _choose(logits_row: np.ndarray, params: SamplingParams, rng, out: np.ndarray) -> int:
+    if params.greedy:
+        return int(np.argmax(logits_row))
+    return sample(probs_from_logits(logits_row, params, out), rng)
+
+
+def prefill(model: Model, graph_tokens: int, prompt: list[int]) -> np.ndarray:
+    """Feed the prompt in static chunks; returns the logits row of its last token."""
+    last = None
+    for start in range(0, len(prompt), graph_tokens):
+        chunk = prompt[start:start + graph_tokens]
+        last = model.step("prefill", chunk, start)[len(chunk) - 1]
+    model.cache.rewind_to(len(prompt))
+    return last
+
+
+def plain_decode(target: Model, first_logits: np.ndarray, start: int, budget: int, params: SamplingParams,
+                 rng, ws: Workspace, metrics: Metrics) -> Iterator[Emitted]:
+    """Plain autoregressive decoding through the target's one-token graph.
+
+    start: tokens with KV in the cache (the prompt); budget: most tokens to emit."""
+    length = start
+    try:
+        tok = _choose(first_logits, params, rng, ws.scratch)
+        for i in range(budget):
+            yield Emitted(tok, False)
+            metrics.tokens += 1
+            if i == budget - 1:
+                break
+            t0 = time.perf_counter()
+            logits = target.step("decode", (tok,), length)[0]
+            metrics.time_verify += time.perf_counter() - t0
+            length += 1
+            metrics.iterations += 1
+            tok = _choose(logits, params, rng, ws.scratch)
+    finally:
+        target.cache.rewind_to(length)
+
+
+def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, start: int, budget: int,
+                       params: SamplingParams, rng, ws: Workspace, metrics: Metrics, *,
+                       draft_start: int, shared_cache: bool, seq: list[int]) -> Iterator[Emitted]:
+    """Speculative decoding: the draft proposes ws.k tokens, the target verifies them in one pass.
+
+    start: tokens with KV in the target cache (the prompt). draft_start: the same for the
+    draft's own cache (ignored when `shared_cache`: a quantized copy of the target reads
+    the target's cache for the context and writes its guesses into rows the verify pass
+    then overwrites). seq: the prompt; emitted tokens are appended (the draft's catch-up
+    reads it). budget: most tokens to emit (already clipped to the context).
+    """
+    k = ws.k
+    length = start                     # target rows with KV; seq[length] is `cur`
+    d_len = start if shared_cache else draft_start
+    emitted = 0
+    try:
+        cur = _choose(first_logits, params, rng, ws.scratch)
+        seq.append(cur)
+        yield Emitted(cur, False)
+        emitted = metrics.tokens = 1
+        while emitted < budget:
+            k_eff = min(k, budget - emitted - 1)   # the verify pass emits up to k_eff + 1
+            t0 = time.perf_counter()
+            if not shared_cache:               # feed what the draft has not seen (e.g. a bonus token's predecessor)
+                while d_len < length:
+                    draft.step("decode", (seq[d_len],), d_len)
+                    d_len += 1
+            x = cur
+            for j in range(k_eff):
+                q_logits = draft.step("decode", (x,), length + j)[0]
+                if params.greedy:
+                    x = int(np.argmax(q_logits))
+                else:
+                    x = sample(probs_from_logits(q_logits, params, ws.q[j]), rng)
+                ws.draft_tokens[j] = x
+            t1 = time.perf_counter()
+            vt = ws.verify_tokens
+            vt[0] = cur
+            for j in range(k_eff):
+                vt[j + 1] = int(ws.draft_tokens[j])
+            p_logits = target.step("verify", vt[:k_eff + 1] if k_eff < k else vt, length)
+            t2 = time.perf_counter()
+            verdict = _verify(p_logits, k_eff, params, rng, ws)
+            t3 = time.perf_counter()
+            metrics.time_draft += t1 - t0
+            metrics.time_verify += t2 - t1
+            metrics.time_accept += t3 - t2
+            metrics.record_iteration(k_eff, verdict.n_accepted)
+            if not shared_cache:
+                d_len = min(length + k_eff, length + verdict.n_accepted + 1)
+            for j in range(verdict.n_accepted):
+                tok = int(ws.draft_tokens[j])
+                seq.append(tok)
+                length += 1
+                emitted += 1
+                metrics.tokens += 1
+                yield Emitted(tok, True)
+            cur = verdict.next_token
+            seq.append(cur)
+            length += 1
+            emitted += 1
+            metrics.tokens += 1
+            yield Emitted(cur, False)
+    finally:
+        # rows [0, length) hold K/V of every emitted token but the last one (`cur`)
+        committed = start + max(emitted - 1, 0)
+        target.cache.rewind_to(committed)
+        if not shared_cache:
+            draft.cache.rewind_to(min(d_len, committed))
+
+
+def _verify(p_logits: np.ndarray, k_eff: int, params: SamplingParams, rng, ws: Workspace) -> Verdict:
+    # p_logits: [k_eff+1, V] target logits at [cur, x1..x_k_eff]
+    if params.greedy:
+        np.argmax(p_logits, axis=-1, out=ws.argmax[:k_eff + 1])
+        return verify_greedy(ws.argmax[:k_eff + 1], ws.draft_tokens[:k_eff])
+    for i in range(k_eff + 1):
+        probs_from_logits(p_logits[i], params, ws.p[i])
+    return verify_sampled(ws.p[:k_eff + 1], ws.q[:k_eff], ws.draft_tokens[:k_eff], rng, ws.scratch)

@@ -1,0 +1,174 @@
+"""ONNX Runtime (CPU) backend: every graph of one model, with static IO binding.
+
+Why it is built this way (measured on 2 cores, see README):
+- One global intra-op thread pool for the whole process, and spinning stopped after
+  each run: with per-session pools, idle sessions spin and steal the cores from the
+  session that is working, and speculation runs slower than plain decoding.
+- Two memory modes. "fast" (default): each session loads the model's `weights.bin`
+  itself and pre-packs its MatMul weights (MLAS); pre-packing is what makes the int8
+  draft and the verify pass fast, and it costs one packed copy of the weights per
+  session. "shared": the weights are memory-mapped once and handed to every session
+  with `add_initializer`, pre-packing off: about half the memory, slower steps
+  (measured in the README).
+- Inputs and outputs are bound once to preallocated numpy buffers (`io_binding`);
+  a step only writes token ids and `past_len` in place and runs. Output buffers are
+  reused: read `logits` before the next `run`.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from specrt.errors import GraphFileError
+from specrt.manifest import ModelEntry, Shapes
+from specrt.runtime.kv import KVCache
+
+log = logging.getLogger(__name__)
+_THREADS_CONFIGURED: int | None = None
+
+
+def configure_threads(threads: int) -> int | None:
+    """Create ORT's global thread pool once per process. Returns the pool size in force,
+    or None when another component created the pools first (sessions then use their own
+    pools with spinning disabled)."""
+    global _THREADS_CONFIGURED
+    if _THREADS_CONFIGURED is None:
+        try:
+            ort.set_global_thread_pool_sizes(threads, 1)
+            _THREADS_CONFIGURED = threads
+        except Exception as e:  # ORT raises its own Fail type once pools exist
+            log.warning("global ORT thread pool already exists (%s); using per-session pools", e)
+            _THREADS_CONFIGURED = -1
+    return None if _THREADS_CONFIGURED == -1 else _THREADS_CONFIGURED
+
+
+MEMORY_MODES = ("fast", "shared")
+
+
+def session_options(threads: int, memory: str = "fast") -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if configure_threads(threads) is not None:
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
+    if memory == "shared":
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    return so
+
+
+class SharedWeights:
+    """`weights.bin` mapped read-only once; one OrtValue per initializer, shared by sessions."""
+
+    def __init__(self, root: Path, entry: ModelEntry):
+        path = root / entry.weights["file"]
+        if not path.is_file():
+            raise GraphFileError(f"weights file {path} is missing: rebuild the engines")
+        size = path.stat().st_size
+        if size != entry.weights["bytes"]:
+            raise GraphFileError(f"{path} has {size} bytes, the manifest says {entry.weights['bytes']}: "
+                                 "the file is truncated or replaced; rebuild the engines")
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        self.values: dict[str, ort.OrtValue] = {}
+        self._arrays = []  # keep the views alive as long as the OrtValues
+        for name, (offset, length, dtype, shape) in entry.weights["initializers"].items():
+            arr = self.map[offset:offset + length].view(np.dtype(dtype)).reshape(shape)
+            self._arrays.append(arr)
+            self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+
+    def add_to(self, so: ort.SessionOptions, graph_initializers: set[str]) -> None:
+        for name in graph_initializers & self.values.keys():
+            so.add_initializer(name, self.values[name])
+
+
+class GraphRunner:
+    """One static-shape graph bound to fixed buffers.
+
+    ids: [1, T] int64   past_len: [1] int64   logits: [1, T, V] float32 (reused)
+    new_k/new_v: L arrays [1, KVH, T, D] (reused)   past: bound to the cache buffers.
+    """
+
+    def __init__(self, path: Path, tokens: int, entry: ModelEntry, cache: KVCache,
+                 weights: SharedWeights | None, threads: int, memory: str):
+        if not path.is_file():
+            raise GraphFileError(f"graph file {path} is missing: rebuild the engines")
+        so = session_options(threads, memory)
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+            if weights is not None:
+                weights.add_to(so, {i.name for i in proto.graph.initializer})
+            del proto
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # corrupt protobuf or a graph ORT rejects
+            raise GraphFileError(f"graph file {path} could not be loaded ({type(e).__name__}: {e}); "
+                                 "it is corrupt or from an incompatible build: rebuild the engines") from None
+        d, io = entry.dims, entry.io
+        self.tokens = tokens
+        self.ids = np.zeros((1, tokens), np.int64)
+        self.past_len = np.zeros((1,), np.int64)
+        self.logits = np.zeros((1, tokens, int(d["vocab"])), np.float32)
+        kv_shape = (1, int(d["kv_heads"]), tokens, int(d["head_dim"]))
+        self.new_k = [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
+        self.new_v = [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
+        b = self.binding = self.session.io_binding()
+        self._hold = []  # OrtValues must outlive the binding
+
+        def bind_in(name, arr):
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            self._hold.append(v)
+            b.bind_ortvalue_input(name, v)
+
+        def bind_out(name, arr):
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            self._hold.append(v)
+            b.bind_ortvalue_output(name, v)
+
+        bind_in(io["input_ids"], self.ids)
+        bind_in(io["past_len"], self.past_len)
+        bind_out(io["logits"], self.logits)
+        for i in range(entry.layers):
+            bind_in(io["past_key"] % i, cache.keys[i])
+            bind_in(io["past_value"] % i, cache.values[i])
+            bind_out(io["new_key"] % i, self.new_k[i])
+            bind_out(io["new_value"] % i, self.new_v[i])
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+
+
+class OrtModel:
+    """All graphs of one model over one KV cache.
+
+    `step(graph, tokens, start)` runs `graph` on `tokens` at positions start.., writes
+    their K/V into the cache and returns the logits rows [n, V] (a view, reused).
+    """
+
+    def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, cache: KVCache | None = None,
+                 graphs: tuple[str, ...] | None = None, threads: int = 2, memory: str = "fast"):
+        d = entry.dims
+        self.entry = entry
+        self.cache = cache or KVCache(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]))
+        self.weights = SharedWeights(root, entry)   # checks the file; maps it (cheap until touched)
+        names = graphs or tuple(entry.graphs)
+        shared = self.weights if memory == "shared" else None
+        self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
+                                      shared, threads, memory) for g in names}
+
+    def step(self, graph: str, tokens, start: int) -> np.ndarray:
+        r = self.graphs[graph]
+        n = len(tokens)
+        assert 0 < n <= r.tokens, (graph, n, r.tokens)
+        r.ids[0, :n] = tokens
+        if n < r.tokens:
+            r.ids[0, n:] = 0   # padding rows: computed, written past the length, never read
+        r.past_len[0] = start
+        r.run()
+        self.cache.write(r.new_k, r.new_v, start, n)
+        return r.logits[0, :n]

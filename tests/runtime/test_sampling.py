@@ -1,0 +1,524 @@
+"""Tests for specrt.runtime.sampling: params validation, the logit warp, and the accept rule.
+
+The exactness tests run a small speculative decoder over fixed random Markov
+chains (target p, deliberately different draft q) and check that the emitted
+tokens follow the target distribution with a chi-square goodness-of-fit test and
+a total-variation bound; two deliberately wrong rules must fail the same check.
+All randomness is seeded, so every statistic here is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from specrt.errors import SamplingParamsError
+from specrt.runtime.sampling import (
+    SamplingParams,
+    Verdict,
+    accept_probability,
+    probs_from_logits,
+    residual_distribution,
+    sample,
+    verify_greedy,
+    verify_sampled,
+)
+
+# probs [0.4, 0.3, 0.2, 0.1] at temperature 1: easy to check by hand.
+HAND_LOGITS = np.log(np.array([4.0, 3.0, 2.0, 1.0], dtype=np.float32))
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    return probs_from_logits(logits, params, np.empty(logits.shape[0], np.float32))
+
+
+class FixedRng:
+    """Stands in for numpy.random.Generator where a test needs exact u values."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+# --- SamplingParams -----------------------------------------------------------
+
+
+def test_default_params_are_greedy_and_temperature_makes_them_sampled():
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("temperature", {"temperature": -0.1}),
+        ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": float("inf")}),
+        ("temperature", {"temperature": True}),
+        ("temperature", {"temperature": "0.7"}),
+        ("top_k", {"top_k": -1}),
+        ("top_k", {"top_k": 2.0}),
+        ("top_k", {"top_k": True}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.5}),
+        ("top_p", {"top_p": -0.2}),
+        ("top_p", {"top_p": float("nan")}),
+        ("top_p", {"top_p": float("inf")}),
+        ("top_p", {"top_p": False}),
+        ("seed", {"seed": -3}),
+        ("seed", {"seed": 1.5}),
+        ("seed", {"seed": True}),
+    ],
+)
+def test_each_bad_param_raises_naming_the_field_and_value(field, kwargs):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{field}=")
+    assert repr(kwargs[field]) in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_top_p_message_gives_the_range_and_how_to_disable():
+    with pytest.raises(SamplingParamsError, match=r"top_p=1\.5 is outside \(0, 1\]; use 1\.0 to disable"):
+        SamplingParams(top_p=1.5)
+
+
+def test_boundary_params_are_accepted():
+    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    SamplingParams(temperature=1e-6, top_k=np.int64(5), top_p=1e-9, seed=np.int64(7))
+    SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9))
+
+
+def test_params_are_frozen():
+    params = SamplingParams(temperature=0.7)
+    with pytest.raises(AttributeError):
+        params.temperature = 1.0  # type: ignore[misc]
+
+
+# --- probs_from_logits --------------------------------------------------------
+
+
+def test_temperature_one_is_plain_softmax():
+    probs = warp(HAND_LOGITS, SamplingParams(temperature=1.0))
+    np.testing.assert_allclose(probs, [0.4, 0.3, 0.2, 0.1], rtol=1e-6)
+
+
+def test_temperature_divides_logits_before_softmax():
+    # exp(log(w) / 2) = sqrt(w)
+    w = np.sqrt([4.0, 3.0, 2.0, 1.0])
+    np.testing.assert_allclose(warp(HAND_LOGITS, SamplingParams(temperature=2.0)), w / w.sum(), rtol=1e-6)
+
+
+def test_tiny_temperature_concentrates_on_argmax_without_overflow():
+    # exp underflowing to 0 is the intended result for the other tokens.
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        probs = warp(HAND_LOGITS * 100, SamplingParams(temperature=1e-30))
+    np.testing.assert_array_equal(probs, [1.0, 0.0, 0.0, 0.0])
+
+
+def test_minus_inf_logits_get_zero_probability():
+    logits = np.array([0.0, -np.inf, 0.0, -np.inf], dtype=np.float32)
+    np.testing.assert_allclose(warp(logits, SamplingParams(temperature=0.8)), [0.5, 0.0, 0.5, 0.0])
+
+
+def test_temperature_only_path_writes_into_out_without_a_vocab_sized_allocation():
+    v = 1 << 20  # 4 MiB of float32: any temporary of this size shows up in the peak
+    logits = np.random.default_rng(0).normal(size=v).astype(np.float32)
+    out = np.empty(v, np.float32)
+    params = SamplingParams(temperature=0.7)
+    tracemalloc.start()
+    try:
+        result = probs_from_logits(logits, params, out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result is out
+    assert peak < v  # well under one float32 [V] array (4 * V bytes)
+    assert math.isclose(float(out.sum(dtype=np.float64)), 1.0, rel_tol=1e-5)
+
+
+def test_top_k_keeps_the_k_largest_and_renormalises():
+    np.testing.assert_allclose(
+        warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_k=3)), [4 / 9, 3 / 9, 2 / 9, 0.0], rtol=1e-6
+    )
+
+
+def test_top_k_at_least_the_vocabulary_is_a_no_op():
+    probs = warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_k=10))
+    np.testing.assert_allclose(probs, [0.4, 0.3, 0.2, 0.1], rtol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    # cumulative mass 0.4, 0.7, 0.9, 1.0
+    np.testing.assert_allclose(
+        warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_p=0.65)), [4 / 7, 3 / 7, 0.0, 0.0], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_p=0.75)), [4 / 9, 3 / 9, 2 / 9, 0.0], rtol=1e-6
+    )
+
+
+def test_top_p_always_keeps_at_least_one_token():
+    probs = warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_p=1e-9))
+    np.testing.assert_array_equal(probs, [1.0, 0.0, 0.0, 0.0])
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    # After top-k=3 the mass is 4/9, 7/9: 0.75 is reached by two tokens. Without the
+    # renormalisation in between (0.4, 0.7) it would take three.
+    probs = warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.75))
+    np.testing.assert_allclose(probs, [4 / 7, 3 / 7, 0.0, 0.0], rtol=1e-6)
+
+
+def test_top_p_combined_with_temperature_matches_a_hand_computation():
+    # T=2: weights sqrt(4,3,2,1) -> probs ~ (0.325, 0.282, 0.230, 0.163), cumulative
+    # 0.325, 0.607, 0.837: top_p=0.65 needs three tokens (plain softmax would need two).
+    w = np.sqrt([4.0, 3.0, 2.0, 1.0])
+    expected = np.where(np.arange(4) < 3, w, 0.0)
+    np.testing.assert_allclose(
+        warp(HAND_LOGITS, SamplingParams(temperature=2.0, top_p=0.65)), expected / expected.sum(), rtol=1e-6
+    )
+
+
+def test_greedy_params_give_a_one_hot_row_on_the_first_argmax():
+    logits = np.array([0.5, 2.0, -1.0, 2.0], dtype=np.float32)
+    out = np.full(4, 7.0, np.float32)
+    result = probs_from_logits(logits, SamplingParams(), out)
+    assert result is out
+    np.testing.assert_array_equal(out, [0.0, 1.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_logits_without_a_finite_max_are_refused(bad):
+    logits = np.array([0.0, bad, 1.0], dtype=np.float32)
+    with pytest.raises(ValueError, match="finite maximum"):
+        warp(logits, SamplingParams(temperature=1.0))
+
+
+def test_out_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match=r"out has shape \(3,\); expected \(4,\)"):
+        probs_from_logits(HAND_LOGITS, SamplingParams(temperature=1.0), np.empty(3, np.float32))
+
+
+# --- sample -------------------------------------------------------------------
+
+
+def test_sample_never_returns_a_zero_probability_token_at_the_ends_of_u():
+    probs = np.array([0.0, 0.5, 0.5, 0.0], dtype=np.float32)
+    largest_u = 1.0 - 2.0**-53
+    assert sample(probs, FixedRng(0.0)) == 1
+    assert sample(probs, FixedRng(largest_u)) == 2
+    # A row that sums to 1 + 1e-6 or 1 - 1e-6 (float32 rounding) behaves the same.
+    for scale in (1 + 1e-6, 1 - 1e-6):
+        assert sample(probs * scale, FixedRng(largest_u)) == 2
+        assert sample(probs * scale, FixedRng(0.0)) == 1
+
+
+def test_sample_maps_u_through_the_cdf():
+    probs = np.array([0.25, 0.0, 0.75], dtype=np.float32)
+    assert sample(probs, FixedRng(0.2499)) == 0
+    assert sample(probs, FixedRng(0.25)) == 2
+    assert sample(probs, FixedRng(0.9)) == 2
+
+
+def test_sample_refuses_a_row_with_no_mass():
+    with pytest.raises(ValueError, match="positive finite mass"):
+        sample(np.zeros(4, np.float32), np.random.default_rng(0))
+
+
+# --- accept rule pieces -------------------------------------------------------
+
+
+def test_draft_probability_zero_never_divides():
+    assert accept_probability(0.3, 0.0) == 1.0
+    assert accept_probability(0.0, 0.0) == 0.0
+    assert accept_probability(np.float32(0.3), np.float32(0.0)) == 1.0
+    # And inside the verifier: the target allows x but the draft's row says q(x) = 0.
+    p = np.array([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=np.float32)
+    q = np.array([[1.0, 0.0, 0.0]], dtype=np.float32)
+    verdict = verify_sampled(p, q, np.array([1]), FixedRng(0.999, 0.5), np.empty(3, np.float32))
+    assert verdict == Verdict(n_accepted=1, next_token=2, bonus=True)
+
+
+def test_accept_probability_is_min_of_one_and_the_ratio():
+    rng = np.random.default_rng(3)
+    for p_x, q_x in rng.random((200, 2)):
+        a = accept_probability(p_x, q_x)
+        assert 0.0 <= a <= 1.0
+        assert a == pytest.approx(min(1.0, p_x / q_x))
+    assert accept_probability(0.2, 0.4) == pytest.approx(0.5)
+    assert accept_probability(0.4, 0.2) == 1.0
+    assert accept_probability(0.0, 0.4) == 0.0
+
+
+def test_residual_is_the_normalised_positive_part_of_p_minus_q():
+    p = np.array([0.5, 0.3, 0.2, 0.0], dtype=np.float32)
+    q = np.array([0.2, 0.4, 0.1, 0.3], dtype=np.float32)
+    out = np.empty(4, np.float32)
+    result = residual_distribution(p, q, out)
+    assert result is out
+    np.testing.assert_allclose(out, [0.75, 0.0, 0.25, 0.0], rtol=1e-6)
+
+
+def test_residual_that_sums_to_zero_falls_back_to_p():
+    p = np.array([0.1, 0.6, 0.3], dtype=np.float32)
+    out = np.full(3, np.nan, np.float32)
+    with np.errstate(all="raise"):
+        result = residual_distribution(p, p.copy(), out)
+    assert result is out
+    np.testing.assert_array_equal(out, p)
+
+
+# --- verify_greedy / verify_sampled --------------------------------------------
+
+
+def test_greedy_verify_accepts_all_and_adds_the_bonus_token():
+    verdict = verify_greedy(np.array([5, 1, 4, 9]), np.array([5, 1, 4]))
+    assert verdict == Verdict(n_accepted=3, next_token=9, bonus=True)
+
+
+def test_greedy_verify_stops_at_the_first_mismatch_with_the_target_token():
+    verdict = verify_greedy(np.array([5, 2, 4, 9]), np.array([5, 1, 4]))
+    assert verdict == Verdict(n_accepted=1, next_token=2, bonus=False)
+    verdict = verify_greedy(np.array([0, 1, 4, 9]), np.array([5, 1, 4]))
+    assert verdict == Verdict(n_accepted=0, next_token=0, bonus=False)
+
+
+def test_greedy_verify_with_no_draft_tokens_returns_the_bonus_from_position_zero():
+    verdict = verify_greedy(np.array([7]), np.array([], dtype=np.int64))
+    assert verdict == Verdict(n_accepted=0, next_token=7, bonus=True)
+
+
+def test_sampled_verify_with_no_draft_tokens_samples_the_bonus_from_position_zero():
+    p = np.array([[0.0, 0.0, 1.0, 0.0]], dtype=np.float32)
+    q = np.empty((0, 4), np.float32)
+    no_draft = np.array([], dtype=np.int64)
+    verdict = verify_sampled(p, q, no_draft, np.random.default_rng(0), np.empty(4, np.float32))
+    assert verdict == Verdict(n_accepted=0, next_token=2, bonus=True)
+
+
+def test_sampled_verify_never_accepts_a_token_the_target_rules_out():
+    p = np.array([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], dtype=np.float32)
+    q = np.array([[1.0, 0.0, 0.0]], dtype=np.float32)
+    scratch = np.empty(3, np.float32)
+    # u = 0.0 is the draw most willing to accept; it must still reject.
+    verdict = verify_sampled(p, q, np.array([0]), FixedRng(0.0, 0.0), scratch)
+    assert verdict == Verdict(n_accepted=0, next_token=1, bonus=False)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        verdict = verify_sampled(p, q, np.array([0]), rng, scratch)
+        assert verdict.n_accepted == 0 and verdict.next_token in (1, 2)
+
+
+def test_sampled_verify_on_one_hot_rows_matches_greedy_verify():
+    # With greedy params both warps are one-hot, so the sampled rule must reduce to argmax matching.
+    rng = np.random.default_rng(5)
+    greedy = SamplingParams()
+    k, v = 4, 5
+    scratch = np.empty(v, np.float32)
+    for _ in range(100):
+        target_logits = rng.normal(size=(k + 1, v)).astype(np.float32)
+        draft_logits = rng.normal(size=(k, v)).astype(np.float32)
+        p = np.stack([warp(row, greedy) for row in target_logits])
+        q = np.stack([warp(row, greedy) for row in draft_logits])
+        # Draft tokens: mostly the target's argmax so long accepted runs occur too.
+        draft = np.where(rng.random(k) < 0.7, target_logits[:k].argmax(1), draft_logits.argmax(1))
+        q[np.arange(k)] = np.eye(v, dtype=np.float32)[draft]
+        assert verify_sampled(p, q, draft, rng, scratch) == verify_greedy(target_logits.argmax(1), draft)
+
+
+def test_verifiers_refuse_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"expected \[k\+1\] and \[k\]"):
+        verify_greedy(np.array([1, 2]), np.array([1, 2]))
+    with pytest.raises(ValueError, match=r"expected p \[k\+1, V\], q \[k, V\]"):
+        verify_sampled(
+            np.full((3, 4), 0.25, np.float32),
+            np.full((3, 4), 0.25, np.float32),
+            np.array([0, 1]),
+            np.random.default_rng(0),
+            np.empty(4, np.float32),
+        )
+
+
+# --- exactness: a speculative decoder over Markov chains -----------------------
+
+V = 6
+K = 3
+START = 0
+N_TOKENS = 4  # joint of tokens 1-2 (accepted / recovered paths) and token 4 (bonus path)
+Rule = Callable[[np.ndarray, np.ndarray, np.ndarray, np.random.Generator, np.ndarray], Verdict]
+
+
+def markov_chains(params: SamplingParams, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Target P and draft Q [V, V]: row a is the warped next-token distribution after token a.
+
+    Draft logits are the target's plus N(0, 1.5^2) noise: close enough that all K
+    draft tokens are often accepted (the bonus path runs), far enough that the
+    draft's own distribution is plainly not the target's.
+    """
+    rng = np.random.default_rng(seed)
+    target_logits = rng.normal(0.0, 1.5, (V, V)).astype(np.float32)
+    draft_logits = target_logits + rng.normal(0.0, 1.5, (V, V)).astype(np.float32)
+    p = np.stack([warp(row, params) for row in target_logits])
+    q = np.stack([warp(row, params) for row in draft_logits])
+    return p, q
+
+
+@dataclass
+class Run:
+    tokens: np.ndarray  # [n, N_TOKENS]
+    steps: int
+    recovered: int
+    bonus: int
+
+
+def speculate(p_chain: np.ndarray, q_chain: np.ndarray, rule: Rule, n: int, seed: int) -> Run:
+    """Emit the first N_TOKENS tokens after START, n times, k=K draft tokens per step."""
+    rng = np.random.default_rng(seed)
+    scratch = np.empty(V, np.float32)
+    tokens = np.empty((n, N_TOKENS), np.int64)
+    steps = recovered = bonus = 0
+    for s in range(n):
+        emitted: list[int] = []
+        last = START
+        while len(emitted) < N_TOKENS:
+            context = [last]
+            for _ in range(K):
+                context.append(sample(q_chain[context[-1]], rng))
+            draft = np.array(context[1:])
+            # Verify position i sees prefix + draft[:i], whose last token is context[i].
+            verdict = rule(p_chain[context], q_chain[context[:K]], draft, rng, scratch)
+            emitted.extend(context[1 : 1 + verdict.n_accepted])
+            emitted.append(verdict.next_token)
+            last = emitted[-1]
+            steps += 1
+            bonus += verdict.bonus
+            recovered += not verdict.bonus
+        tokens[s] = emitted[:N_TOKENS]
+    return Run(tokens, steps, recovered, bonus)
+
+
+@dataclass(frozen=True)
+class Fit:
+    p_value: float  # chi-square goodness of fit; 0.0 if any token outside the support was emitted
+    tv: float  # total variation between empirical and exact distribution
+    tv_bound: float  # what TV stays below with probability >= 1 - 1e-6 if the sampler is exact
+    outside_support: int  # samples in cells the target gives probability 0
+
+
+def goodness_of_fit(cells: np.ndarray, exact: np.ndarray) -> Fit:
+    """Compare observed cell indices [n] with an exact distribution over cells [C].
+
+    TV bound: E[TV] <= 0.5 * sum_i sqrt(p_i / n) <= 0.5 * sqrt(C+ / n) (Jensen, then
+    Cauchy-Schwarz over the C+ cells with p_i > 0), and TV moves by at most 1/n per
+    sample, so McDiarmid gives P(TV > E[TV] + t) <= exp(-2 n t^2); t = sqrt(ln(1e6) / 2n).
+    Chi-square pools cells expected < 5 times so its asymptotics hold.
+    """
+    n = cells.size
+    observed = np.bincount(cells, minlength=exact.size).astype(np.float64)
+    support = exact > 0
+    outside = int(observed[~support].sum())
+    tv = 0.5 * float(np.abs(observed / n - exact).sum())
+    tv_bound = 0.5 * math.sqrt(support.sum() / n) + math.sqrt(math.log(1e6) / (2 * n))
+
+    obs, exp = observed[support], exact[support] * n
+    small = exp < 5
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    exp *= obs.sum() / exp.sum()  # scipy wants equal totals; differs only when outside > 0
+    p_value = 0.0 if outside else float(chisquare(obs, exp).pvalue)
+    return Fit(p_value, tv, tv_bound, outside)
+
+
+def exact_target(p_chain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact joint of tokens (1, 2) [V*V] and marginal of token 4 [V] under the target chain."""
+    p64 = p_chain.astype(np.float64)
+    p64 /= p64.sum(axis=1, keepdims=True)  # sample() draws from each row scaled by its own sum
+    joint12 = (p64[START][:, None] * p64).ravel()
+    marginal4 = np.linalg.matrix_power(p64, N_TOKENS)[START]
+    return joint12, marginal4
+
+
+def fits(run: Run, p_chain: np.ndarray) -> tuple[Fit, Fit]:
+    joint12, marginal4 = exact_target(p_chain)
+    t = run.tokens
+    return goodness_of_fit(t[:, 0] * V + t[:, 1], joint12), goodness_of_fit(t[:, 3], marginal4)
+
+
+def always_accept(p, q, draft_tokens, rng, scratch) -> Verdict:
+    """Wrong: keeps every draft token, so output follows q."""
+    k = draft_tokens.shape[0]
+    return Verdict(n_accepted=k, next_token=sample(p[k], rng), bonus=True)
+
+
+def resample_from_p(p, q, draft_tokens, rng, scratch) -> Verdict:
+    """Wrong: draws the recovered token from p instead of the residual, double-counting min(p, q)."""
+    for i, x in enumerate(draft_tokens):
+        if rng.random() < accept_probability(float(p[i, x]), float(q[i, x])):
+            continue
+        return Verdict(n_accepted=i, next_token=sample(p[i], rng), bonus=False)
+    return Verdict(n_accepted=len(draft_tokens), next_token=sample(p[-1], rng), bonus=True)
+
+
+# (params, chain seed): both warps are non-trivial and cut part of the vocabulary.
+EXACTNESS_CASES = [
+    pytest.param(SamplingParams(temperature=0.7, top_p=0.9), 1, id="T0.7-top_p0.9"),
+    pytest.param(SamplingParams(temperature=1.3, top_k=4, top_p=0.95), 1, id="T1.3-top_k4-top_p0.95"),
+]
+N_EXACT = 30_000
+N_WRONG = 10_000
+P_VALUE_FLOOR = 1e-3  # correct rule must pass at this level
+P_VALUE_CEILING = 1e-6  # wrong rules must fail far below it
+
+
+@pytest.mark.parametrize(("params", "chain_seed"), EXACTNESS_CASES)
+def test_speculative_sampling_reproduces_the_target_distribution(params, chain_seed):
+    p_chain, q_chain = markov_chains(params, chain_seed)
+    joint12, _ = exact_target(p_chain)
+    q_joint12, _ = exact_target(q_chain)
+    # The setup must be able to catch mistakes: draft far off, the warp cut tokens, many cells.
+    assert 0.5 * np.abs(joint12 - q_joint12).sum() > 0.3
+    assert (p_chain == 0).any() and (q_chain == 0).any()
+    assert (joint12 > 0).sum() >= 12
+
+    run = speculate(p_chain, q_chain, verify_sampled, N_EXACT, seed=1234)
+    # Both endings of a step ran often: recovered tokens (rejections) and bonus tokens.
+    assert run.recovered > 0.05 * run.steps and run.bonus > 0.05 * run.steps
+
+    for fit in fits(run, p_chain):
+        assert fit.outside_support == 0
+        assert fit.p_value > P_VALUE_FLOOR, fit
+        assert fit.tv < fit.tv_bound, fit
+
+
+@pytest.mark.parametrize(
+    "wrong_rule",
+    [pytest.param(always_accept, id="always-accept"), pytest.param(resample_from_p, id="resample-from-p")],
+)
+def test_a_wrong_accept_rule_fails_the_exactness_check(wrong_rule):
+    params, chain_seed = EXACTNESS_CASES[0].values
+    p_chain, q_chain = markov_chains(params, chain_seed)
+    joint_fit, _ = fits(speculate(p_chain, q_chain, wrong_rule, N_WRONG, seed=1234), p_chain)
+    assert joint_fit.p_value < P_VALUE_CEILING, joint_fit
+    assert joint_fit.tv > 2 * joint_fit.tv_bound, joint_fit
+
+
+def test_a_fixed_seed_gives_identical_tokens():
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=42)
+    p_chain, q_chain = markov_chains(params, 1)
+    first = speculate(p_chain, q_chain, verify_sampled, 300, seed=params.seed)
+    second = speculate(p_chain, q_chain, verify_sampled, 300, seed=params.seed)
+    other = speculate(p_chain, q_chain, verify_sampled, 300, seed=params.seed + 1)
+    np.testing.assert_array_equal(first.tokens, second.tokens)
+    assert (first.steps, first.recovered, first.bonus) == (second.steps, second.recovered, second.bonus)
+    assert not np.array_equal(first.tokens, other.tokens)

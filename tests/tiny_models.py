@@ -1,0 +1,285 @@
+"""Tiny, deterministic, randomly initialised Hugging Face causal LMs for tests.
+
+Importable both as ``tiny_models`` (with ``tests/`` on ``sys.path``) and as
+``tests.tiny_models``. Does not import pytest. ``torch`` and ``transformers``
+are imported lazily inside the model builders, so tokenizer-only callers only
+need the ``tokenizers`` library.
+
+API
+---
+``FAMILIES``                       supported model families.
+``make_tokenizer_files(dir, V)``   one-token-per-char ``tokenizer.json`` + ``tokenizer_config.json``.
+``make_tiny_model_dir(dir, ...)``  ``config.json`` + ``model.safetensors`` + tokenizer files.
+``make_pair(root, ...)``           (target_dir, draft_dir) sharing one tokenizer.
+``make_pickled_only_dir(dir)``     ``config.json`` + ``pytorch_model.bin`` (no safetensors).
+
+Token ids (independent of ``vocab_size``): ``<unk>``=0, ``<s>``=1, ``</s>``=2,
+``<|im_start|>``=3, ``<|im_end|>``=4, then one token per character in
+``CHARS``, then ``<extra_N>`` fillers up to ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import string
+from pathlib import Path
+
+__all__ = [
+    "FAMILIES",
+    "SPECIAL_TOKENS",
+    "CHARS",
+    "UNK_ID",
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "IM_START_ID",
+    "IM_END_ID",
+    "CHAT_TEMPLATE",
+    "make_tokenizer_files",
+    "make_tiny_model_dir",
+    "make_pair",
+    "make_pickled_only_dir",
+]
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+UNK_ID, BOS_ID, DOC_EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+EOS_ID = IM_END_ID  # generation stops at <|im_end|> (ChatML, like SmolLM)
+PAD_ID = IM_END_ID
+
+# Every printable ASCII character is its own token (letters, digits,
+# punctuation, space), plus newline and tab so ChatML prompts encode cleanly.
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n\t"
+MIN_VOCAB = 128
+
+MODEL_MAX_LENGTH = 512
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _byte_level_symbol(ch: str) -> str:
+    """The GPT-2 byte-level alphabet symbol for a single ASCII character (' ' -> 'Ġ')."""
+    from tokenizers import pre_tokenizers
+
+    ((sym, _),) = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(ch)
+    return sym
+
+
+def _vocab(vocab_size: int) -> dict[str, int]:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB}, got {vocab_size!r}")
+    tokens = list(SPECIAL_TOKENS) + [_byte_level_symbol(c) for c in CHARS]
+    assert len(set(tokens)) == len(tokens)
+    n = len(tokens)
+    tokens += [f"<extra_{i}>" for i in range(vocab_size - n)]
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def make_tokenizer_files(directory: Path, vocab_size: int) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``.
+
+    The tokenizer is a byte-level BPE with *no merges*: every character of
+    ``CHARS`` is exactly one token (space is the token ``'Ġ'``, newline ``'Ċ'``,
+    tab ``'ĉ'``, as in GPT-2/Qwen2/SmolLM vocabularies) and the ByteLevel
+    decoder maps them back, so ``decode(encode(text)) == text`` for ASCII text.
+    Byte-level (rather than a plain char-level WordLevel model) is deliberate:
+    transformers 5 ignores the pipeline in tokenizer.json for some model types
+    (``qwen2`` always loads ``Qwen2Tokenizer``, which rebuilds a byte-level BPE
+    from the vocab/merges), and this layout gives the same ids either way.
+
+    The files depend only on ``vocab_size`` (byte-for-byte deterministic).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = _vocab(vocab_size)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=False,
+                               byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+
+    # Pretty, key-stable JSON so draft/target tokenizers are byte-identical.
+    data = json.loads(tok.to_str())
+    (directory / "tokenizer.json").write_text(
+        json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<unk>",
+        "pad_token": "<|im_end|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "model_max_length": MODEL_MAX_LENGTH,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _make_config(family: str, *, layers, vocab_size, hidden, heads, kv_heads, intermediate,
+                 max_positions, tie_embeddings):
+    common_ids = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    if family == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=max_positions,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_inner=intermediate,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+            **common_ids,
+        )
+
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
+    llama_like = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        tie_word_embeddings=tie_embeddings,
+        **common_ids,
+    )
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(attention_bias=False, mlp_bias=False, **llama_like)
+    if family == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(sliding_window=None, **llama_like)
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(use_sliding_window=False, sliding_window=None, **llama_like)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+# Init scales, tuned so that greedy continuations of a prompt are varied (not one
+# repeated token) and the top-1/top-2 logit gaps are far above fp32/ONNX noise,
+# with a max softmax probability around 0.5 (usable for sampling tests too).
+WEIGHT_STD = 0.3      # Linear / Conv1D weights (and GPT-2 position embeddings)
+EMBED_STD = 0.5       # token embeddings (tied LM head) and untied lm_head
+BIAS_STD = 0.3        # q/k/v (qwen2), GPT-2 attention/MLP/LayerNorm biases
+NORM_NOISE = 0.1      # RMSNorm / LayerNorm scales are 1 + N(0, NORM_NOISE)
+
+
+def _init_weights(model, seed: int) -> None:
+    """Large-ish random init so logits are peaked (greedy decoding is not a tie-fest)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied params appear once
+            if p.dim() >= 2:
+                is_tok_emb = any(k in name for k in ("embed_tokens", "wte", "lm_head"))
+                std = EMBED_STD if is_tok_emb else WEIGHT_STD
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
+            else:  # norm scale
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * NORM_NOISE)
+
+
+def _build_model(family, *, seed, **cfg_kwargs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _make_config(family, **cfg_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32) \
+        if "torch_dtype" in inspect.signature(AutoModelForCausalLM.from_config).parameters \
+        else AutoModelForCausalLM.from_config(config)
+    model = model.float()
+    _init_weights(model, seed)
+    model.eval()
+    return model
+
+
+def make_tiny_model_dir(directory: Path, family: str = "llama", *, layers: int = 2,
+                        vocab_size: int = 128, hidden: int = 64, heads: int = 4,
+                        kv_heads: int = 2, intermediate: int = 128, max_positions: int = 512,
+                        seed: int = 0, tie_embeddings: bool = True) -> Path:
+    """Create an HF model dir (config.json, model.safetensors, tokenizer files)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    _vocab(vocab_size)  # validate before doing any work
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = _build_model(
+        family, seed=seed, layers=layers, vocab_size=vocab_size, hidden=hidden, heads=heads,
+        kv_heads=kv_heads, intermediate=intermediate, max_positions=max_positions,
+        tie_embeddings=tie_embeddings,
+    )
+    kwargs = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True  # transformers < 5; v5 always writes safetensors
+    model.save_pretrained(directory, **kwargs)
+    make_tokenizer_files(directory, vocab_size)
+    return directory
+
+
+def make_pair(root: Path, *, target_layers: int = 3, draft_layers: int = 1,
+              vocab_size: int = 128, family: str = "llama") -> tuple[Path, Path]:
+    """A (target_dir, draft_dir) pair: different depth and seed, identical tokenizer."""
+    root = Path(root)
+    target = make_tiny_model_dir(root / "target", family, layers=target_layers,
+                                 vocab_size=vocab_size, seed=0)
+    draft = make_tiny_model_dir(root / "draft", family, layers=draft_layers,
+                                vocab_size=vocab_size, seed=1)
+    return target, draft
+
+
+def make_pickled_only_dir(directory: Path) -> Path:
+    """config.json + pickled ``pytorch_model.bin`` (+ tokenizer), no safetensors."""
+    import torch
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = _build_model(
+        "llama", seed=0, layers=1, vocab_size=MIN_VOCAB, hidden=64, heads=4, kv_heads=2,
+        intermediate=128, max_positions=512, tie_embeddings=True,
+    )
+    model.config.save_pretrained(directory)
+    torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    make_tokenizer_files(directory, MIN_VOCAB)
+    for p in directory.glob("*.safetensors*"):
+        p.unlink()
+    return directory
