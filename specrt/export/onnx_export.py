@@ -6,6 +6,7 @@ import io
 import logging
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import onnx
@@ -49,8 +50,11 @@ def export_graph(module: StaticDecoder, path: Path) -> None:
             *[torch.zeros(1, d.kv_heads, M, d.head_dim) for _ in range(2 * d.layers)])
     inputs, outputs = io_names(d.layers)
     quiet = io.StringIO()
+    # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     try:
-        with torch.no_grad(), contextlib.redirect_stdout(quiet):
+        with torch.no_grad(), contextlib.redirect_stdout(quiet), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             torch.onnx.export(module, args, str(path), dynamo=True, opset_version=OPSET, input_names=inputs,
                               output_names=outputs, external_data=True, verbose=False)
     except Exception as e:

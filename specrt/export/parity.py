@@ -16,6 +16,7 @@ import torch
 
 from specrt import manifest as mf
 from specrt.errors import ParityError
+from specrt.runtime.ort_backend import session_options
 
 ATOL = 1e-3
 
@@ -24,9 +25,7 @@ class GraphSet:
     """Plain ORT sessions over one exported model, with a numpy KV cache (test/validation use)."""
 
     def __init__(self, directory: Path, graphs: dict, dims: dict, capacity: int, threads: int = 2):
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.log_severity_level = 3
+        so = session_options(threads)   # the runtime's: one process-wide thread pool
         self.sessions = {g: ort.InferenceSession(str(directory / e["file"]), so, providers=["CPUExecutionProvider"])
                          for g, e in graphs.items()}
         self.tokens = {g: e["tokens"] for g, e in graphs.items()}

@@ -1,0 +1,141 @@
+"""The speculative loop on tiny random models: greedy output is token-for-token the
+target's, whatever the draft; the caches stay consistent when the caller stops early."""
+from __future__ import annotations
+
+import pytest
+
+from specrt.runtime import SamplingParams, SpeculativeGenerator
+
+PROMPTS = [[5, 6, 7], [40, 50, 60, 70, 80, 90, 100], list(range(10, 40)), [1, 99]]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_engines):
+    return SpeculativeGenerator(tiny_engines)
+
+
+@pytest.fixture(scope="module")
+def self_gen(tiny_self_engines):
+    return SpeculativeGenerator(tiny_self_engines)
+
+
+def _tokens(g, ids, n, method, **kw):
+    return [e.token for e in g.tokens(ids, max_new_tokens=n, method=method, **kw)]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_plain_with_a_separate_draft(gen, prompt):
+    plain = _tokens(gen, prompt, 40, "plain")
+    spec = _tokens(gen, prompt, 40, "speculative")
+    assert spec == plain
+    m = gen.last_metrics
+    assert m.tokens == 40 and m.iterations >= 40 / (gen.k + 1)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_plain_with_the_int8_shared_cache_draft(self_gen, prompt):
+    assert _tokens(self_gen, prompt, 40, "speculative") == _tokens(self_gen, prompt, 40, "plain")
+
+
+def test_greedy_output_matches_hugging_face_generate(gen, tiny_pair):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
+    for prompt in PROMPTS[:3]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert _tokens(gen, prompt, 24, "speculative") == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_smaller_k_than_built_gives_the_same_output(tiny_engines, gen, k):
+    small = SpeculativeGenerator(tiny_engines, k=k)
+    assert _tokens(small, PROMPTS[1], 30, "speculative") == _tokens(gen, PROMPTS[1], 30, "plain")
+    assert all(d <= small.last_metrics.iterations for d in small.last_metrics.drafted_at)
+    assert len(small.last_metrics.drafted_at) == k
+
+
+def test_target_as_its_own_draft_accepts_every_greedy_token(tmp_path, tiny_pair):
+    from conftest import build_tiny
+
+    target, _ = tiny_pair
+    g = SpeculativeGenerator(build_tiny(tmp_path / "own", target, str(target)))
+    assert _tokens(g, PROMPTS[1], 33, "speculative") == _tokens(g, PROMPTS[1], 33, "plain")
+    m = g.last_metrics if g.last_metrics.method == "speculative" else None
+    _tokens(g, PROMPTS[1], 33, "speculative")
+    m = g.last_metrics
+    assert m.acceptance_rate == 1.0
+    assert m.mean_acceptance_length == g.k + 1
+    assert m.acceptance_per_position == [1.0] * g.k
+
+
+def test_metrics_are_consistent(gen):
+    _tokens(gen, PROMPTS[0], 30, "speculative")
+    m = gen.last_metrics
+    assert 0.0 <= m.acceptance_rate <= 1.0
+    assert m.tokens == 1 + m.accepted + m.iterations   # first token from the prompt, then 1 + accepted per iteration
+    assert m.iterations - 1 <= m.drafted_at[0] <= m.iterations   # the last pass may draft nothing (budget)
+    assert all(a <= d for a, d in zip(m.accepted_at, m.drafted_at))
+    assert m.time_draft > 0 and m.time_verify > 0 and m.time_total >= m.time_prefill + m.time_draft
+    d = m.as_dict()
+    assert d["finish_reason"] == "length" and d["tokens"] == 30
+
+
+@pytest.mark.parametrize("method", ["speculative", "plain"])
+def test_stopping_early_leaves_the_cache_at_what_was_emitted(gen, method):
+    prompt = PROMPTS[1]
+    it = gen.tokens(prompt, max_new_tokens=40, method=method)
+    got = [next(it).token for _ in range(7)]
+    it.close()
+    # every emitted token but the last has its K/V in the target cache
+    assert gen.target.cache.length == len(prompt) + len(got) - 1
+    if method == "speculative" and gen.draft.cache is not gen.target.cache:
+        assert gen.draft.cache.length <= gen.target.cache.length
+    # and the next call is unaffected
+    assert _tokens(gen, prompt, 12, method)[:7] == got
+
+
+def test_sampling_with_a_seed_is_reproducible(gen):
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=123)
+    a = _tokens(gen, PROMPTS[0], 30, "speculative", sampling=p)
+    b = _tokens(gen, PROMPTS[0], 30, "speculative", sampling=p)
+    c = _tokens(gen, PROMPTS[0], 30, "speculative", sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=7))
+    assert a == b and a != c
+
+
+def test_text_streaming_stops_at_a_stop_string_and_trims_it(gen):
+    full = gen.generate("Hello", max_new_tokens=30, method="plain")
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:5]
+    cut = gen.generate("Hello", max_new_tokens=30, stop=[stop], method="speculative")
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[:text.find(stop)]
+    assert stop not in cut.text
+
+
+def test_chat_prompts_use_the_template(gen):
+    ids = gen.encode_prompt("Hi", chat=True)
+    text = gen.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\nHi<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    c = gen.generate("Hi", chat=True, max_new_tokens=8)
+    assert c.prompt_tokens == len(ids)
+
+
+def test_eos_ends_the_stream(gen):
+    eos = next(iter(gen.tokenizer.eos_token_ids))
+    # find a continuation point where the tiny model emits EOS, or force it through a prompt ending in EOS context
+    ids = PROMPTS[2]
+    toks = _tokens(gen, ids, 60, "plain")
+    if eos in toks:
+        c = gen.generate(ids, max_new_tokens=60)
+        assert c.finish_reason == "eos"
+        assert len(c.tokens) == toks.index(eos)
+    else:
+        gen.tokenizer.eos_token_ids = frozenset({toks[5]})
+        try:
+            c = gen.generate(ids, max_new_tokens=60)
+            assert c.finish_reason == "eos" and len(c.tokens) == toks.index(toks[5])
+        finally:
+            gen.tokenizer.eos_token_ids = frozenset({eos})
