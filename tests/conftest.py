@@ -47,3 +47,11 @@ def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair
     return build_tiny(tmp_path_factory.mktemp("eng") / "self", target, "int8")
+
+
+@pytest.fixture(scope="session")
+def tiny_truncated_engines(tmp_path_factory, tiny_pair) -> Path:
+    """The tiny target with its own first 2 layers as draft: related but different
+    distributions, so sampled drafts are both accepted and rejected."""
+    target, _ = tiny_pair
+    return build_tiny(tmp_path_factory.mktemp("eng") / "trunc", target, "truncate:2")
