@@ -120,7 +120,8 @@ def load(directory: str | Path) -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON ({e}); rebuild the engines") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ManifestError(f"{path} is not a specrt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})")
+        raise ManifestError(f"{path} is not a specrt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r}): "
+                            "point at a folder written by `specrt build`, or rebuild the engines")
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ManifestError(
             f"{path} has schema_version={raw.get('schema_version')}; this specrt ({__version__}) reads "
@@ -132,7 +133,18 @@ def load(directory: str | Path) -> Manifest:
     except (KeyError, TypeError) as e:
         raise ManifestError(f"{path} is missing or has unexpected fields ({e}); rebuild the engines") from None
     if "target" not in man.models:
-        raise ManifestError(f"{path} describes no target model")
+        raise ManifestError(f"{path} describes no target model: rebuild the engines")
+    sh = man.shapes
+    for name in ("batch", "max_context", "prefill_chunk", "k"):
+        v = getattr(sh, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ManifestError(f"{path}: shapes.{name}={v!r} is not a positive integer; rebuild the engines")
+    window = {"prefill": sh.prefill_chunk, "decode": 1, "verify": sh.k + 1}
+    for role, m in man.models.items():
+        for g, e in m.graphs.items():
+            if g in window and e.tokens != window[g]:
+                raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "
+                                    "(inconsistent manifest): rebuild the engines")
     return man
 
 

@@ -54,8 +54,12 @@ class SpeculativeGenerator:
         mf.check_device(man)
         mf.check_files(man, self.root, hashes=verify_hashes)
         self.shapes = man.shapes
-        self.k = man.shapes.k if k is None else int(k)
-        if not 1 <= self.k <= man.shapes.k:
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
+            raise SamplingParamsError(f"k={k!r} must be an integer in [1, {man.shapes.k}]")
+        self.k = man.shapes.k if k is None else k
+        if self.k < 1:
+            raise SamplingParamsError(f"k={k} is outside [1, {man.shapes.k}]: pass 1 <= k <= {man.shapes.k} (or use method='plain')")
+        if self.k > man.shapes.k:
             raise SamplingParamsError(
                 f"k={k} is outside [1, {man.shapes.k}]: the verify graph was built for k={man.shapes.k}; "
                 f"rebuild with --k {k} for a larger window")
@@ -102,7 +106,8 @@ class SpeculativeGenerator:
                 f"the prompt has {P} tokens; the engines were built with max_context={C}, leaving no room to "
                 f"generate: shorten the prompt or rebuild with --max-context {P + max_new_tokens}")
         if max(prompt_ids) >= self.vocab or min(prompt_ids) < 0:
-            raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab})")
+            raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab}): encode the prompt with "
+                                         "this build's tokenizer (pass text, or gen.tokenizer.encode(text))")
         budget = min(max_new_tokens, C - P)
         m = self.last_metrics = Metrics(method=method, k=self.k if method == "speculative" else 0, prompt_tokens=P)
         rng = np.random.default_rng(sampling.seed)

@@ -117,6 +117,13 @@ class GraphRunner:
         kv_shape = (1, int(d["kv_heads"]), tokens, int(d["head_dim"]))
         self.new_k = [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
         self.new_v = [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
+        _check_signature(self.session, path, {
+            io["input_ids"]: self.ids.shape, io["past_len"]: self.past_len.shape,
+            **{io[kv] % i: cache.keys[0].shape for i in range(entry.layers) for kv in ("past_key", "past_value")},
+        }, {
+            io["logits"]: self.logits.shape,
+            **{io[kv] % i: kv_shape for i in range(entry.layers) for kv in ("new_key", "new_value")},
+        })
         b = self.binding = self.session.io_binding()
         self._hold = []  # OrtValues must outlive the binding
 
@@ -141,6 +148,21 @@ class GraphRunner:
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.binding)
+
+
+def _check_signature(session, path: Path, inputs: dict, outputs: dict) -> None:
+    """The graph's tensors are exactly the manifest's, with the static shapes it promises."""
+    for kind, want, have in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
+        got = {t.name: tuple(t.shape) for t in have}
+        if set(got) != set(want):
+            missing, extra = sorted(set(want) - set(got))[:3], sorted(set(got) - set(want))[:3]
+            raise GraphFileError(f"graph file {path} does not match the manifest: {kind}s missing {missing}, "
+                                 f"unexpected {extra}; it belongs to another build: rebuild the engines")
+        for name, shape in want.items():
+            if got[name] != tuple(shape):
+                raise GraphFileError(f"graph file {path}: {kind} {name} has shape {list(got[name])}, the manifest "
+                                     f"implies {list(shape)}; graph and manifest are from different builds: "
+                                     "rebuild the engines")
 
 
 class OrtModel:
