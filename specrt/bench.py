@@ -22,15 +22,40 @@ def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: st
     return toks, m.time_total - m.time_prefill, m
 
 
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; elsewhere the peak from getrusage)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_report(gen: SpeculativeGenerator) -> dict:
+    weights = sum(m.weights["bytes"] for m in gen.manifest.models.values())
+    kv = gen.target.cache.nbytes + (gen.draft.cache.nbytes if gen.draft and gen.draft.cache is not gen.target.cache else 0)
+    rss = rss_bytes()
+    return {"rss_bytes": rss, "weight_bytes": weights, "kv_bytes": kv, "rss_over_weights": rss / weights,
+            "sessions": sum(len(m.graphs) for m in (gen.target, gen.draft) if m is not None)}
+
+
 def run_bench(engines: str, *, prompts: int = 8, max_new_tokens: int = 128, rounds: int = 1, k: int | None = None,
               threads: int = 2, sampling: SamplingParams | None = None, hf_reference: str | None = None,
-              out: Callable[[str], None] = print) -> dict:
+              memory: str = "fast", out: Callable[[str], None] = print) -> dict:
     sampling = sampling or SamplingParams()
-    gen = SpeculativeGenerator(engines, k=k, threads=threads)
+    gen = SpeculativeGenerator(engines, k=k, threads=threads, memory=memory)
     texts = (PROMPTS * (1 + prompts // len(PROMPTS)))[:prompts]
     prompt_ids = [gen.encode_prompt(p, chat=bool(gen.tokenizer.chat_template)) for p in texts]
     _run(gen, prompt_ids[0], 8, sampling, "plain")           # warm-up: first-run allocations
     _run(gen, prompt_ids[0], 8, sampling, "speculative")
+    mem = memory_report(gen)
+    out(f"memory ({memory}): RSS {mem['rss_bytes'] / 2**20:.0f} MiB with {mem['sessions']} sessions loaded and run | "
+        f"weights on disk {mem['weight_bytes'] / 2**20:.0f} MiB (x{mem['rss_over_weights']:.2f}) | "
+        f"KV cache {mem['kv_bytes'] / 2**20:.0f} MiB")
     rows, t_plain, t_spec, n_plain, n_spec = [], 0.0, 0.0, 0, 0
     accepted = drafted = iters = 0
     identical_all = True
@@ -60,7 +85,7 @@ def run_bench(engines: str, *, prompts: int = 8, max_new_tokens: int = 128, roun
         "prompts": prompts, "rounds": rounds, "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
         "speedup": spec_tps / plain_tps, "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / iters if iters else 0.0,
-        "identical": identical_all, "rows": rows,
+        "identical": identical_all, "rows": rows, "memory": mem,
     }
     out(f"\nplain {plain_tps:.1f} tok/s | speculative {spec_tps:.1f} tok/s | speedup x{report['speedup']:.2f} | "
         f"acceptance {report['acceptance_rate']:.1%} | mean acceptance length {report['mean_acceptance_length']:.2f} | "

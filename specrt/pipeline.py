@@ -18,6 +18,16 @@ log = logging.getLogger(__name__)
 
 
 def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
+    out = Path(cfg.out)
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        return _build(cfg, out, tmp, progress)
+    finally:
+        if tmp.exists():           # a failed build leaves nothing behind; `out` is untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
     from specrt import manifest as mf
@@ -26,8 +36,6 @@ def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
     from specrt.export import onnx_export, parity, sources
 
     shapes, kind = cfg.shapes, cfg.draft_kind
-    out = Path(cfg.out)
-    tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -43,6 +51,10 @@ def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
     tgt = sources.load_source(cfg.target)
     step("target loaded")
     _check_window(tgt, shapes)
+    dm = None
+    if kind == "model":   # refuse a mismatched draft before the long export
+        dm = sources.load_source(cfg.draft)
+        _check_same_tokenizer(tgt, dm)
     part = onnx_export.export_model(tgt, shapes, tmp / "target", progress=lambda g: step(f"target {g} exported"))
     part["parity"] = parity.check_parity(tgt.model, tmp / "target", part, shapes, rtol=tgt.spec.parity_rtol)
     tok_info = _save_tokenizer(tgt, tmp)
@@ -74,9 +86,8 @@ def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
             reference = _truncated_reference(tgt.model, layers)
             derived = {"derived": f"first {layers} of {tgt.dims.layers} target layers"}
         else:
-            dm, layers = sources.load_source(cfg.draft), None
+            layers = None
             reference, derived = dm.model, {}
-            _check_same_tokenizer(tgt, dm)
         d = onnx_export.export_model(dm, shapes, tmp / "draft", graphs=("prefill", "decode"), layers=layers,
                                      progress=lambda g: step(f"draft {g} exported"))
         d["parity"] = parity.check_parity(reference, tmp / "draft", d, shapes, rtol=dm.spec.parity_rtol)

@@ -9,7 +9,8 @@ Why it is built this way (measured on 2 cores, see README):
   draft and the verify pass fast, and it costs one packed copy of the weights per
   session. "shared": the weights are memory-mapped once and handed to every session
   with `add_initializer`, pre-packing off: about half the memory, slower steps
-  (measured in the README).
+  (measured in the README). A model with one graph (the shared-cache draft) is always
+  pre-packed: there is nothing to share, and MatMulNBits is slow without pre-packing.
 - Inputs and outputs are bound once to preallocated numpy buffers (`io_binding`);
   a step only writes token ids and `past_len` in place and runs. Output buffers are
   reused: read `logits` before the next `run`.
@@ -179,6 +180,8 @@ class OrtModel:
         self.cache = cache or KVCache(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]))
         self.weights = SharedWeights(root, entry)   # checks the file; maps it (cheap until touched)
         names = graphs or tuple(entry.graphs)
+        if len(names) == 1:   # nothing to share; and MatMulNBits (int8 draft) is slow unless pre-packed
+            memory = "fast"
         shared = self.weights if memory == "shared" else None
         self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
                                       shared, threads, memory) for g in names}
