@@ -6,32 +6,20 @@ import json
 
 import pytest
 
-try:
-    from tiny_models import (
-        BOS_ID,
-        EOS_ID,
-        FAMILIES,
-        IM_START_ID,
-        make_pair,
-        make_pickled_only_dir,
-        make_tiny_model_dir,
-        make_tokenizer_files,
-    )
-except ImportError:  # run from the repository root without tests/ on sys.path
-    from tests.tiny_models import (
-        BOS_ID,
-        EOS_ID,
-        FAMILIES,
-        IM_START_ID,
-        make_pair,
-        make_pickled_only_dir,
-        make_tiny_model_dir,
-        make_tokenizer_files,
-    )
+from tiny_models import (  # conftest puts tests/ on sys.path
+    BOS_ID,
+    EOS_ID,
+    FAMILIES,
+    IM_START_ID,
+    make_pair,
+    make_pickled_only_dir,
+    make_tiny_model_dir,
+    make_tokenizer_files,
+)
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+import torch  # noqa: E402  (the test extras install it)
+import transformers  # noqa: E402
+import tokenizers  # noqa: E402
 
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

@@ -4,7 +4,6 @@ Pickled checkpoints (*.bin, *.pt) are refused: loading them executes arbitrary c
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specrt.errors import ModelSourceError
+from specrt.manifest import sha256_file
 from specrt.export.specs import ArchSpec, Dims, dims_of, spec_for
 
 log = logging.getLogger(__name__)
@@ -27,14 +27,6 @@ class LoadedModel:
     inv_freq: torch.Tensor | None
     attention_scaling: float
     identity: dict                  # path, files and their sha256, model_type
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _resolve(path: str | Path) -> tuple[Path, str | None]:

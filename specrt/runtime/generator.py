@@ -90,7 +90,8 @@ class SpeculativeGenerator:
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                method: str = "speculative") -> Iterator[Emitted]:
-        """Yield generated tokens as they become final (EOS included; the caller stops)."""
+        """Yield generated tokens as they become final (EOS included; the caller stops).
+        Arguments are checked here, before the first token is asked for."""
         sampling = sampling or SamplingParams()
         if method not in METHODS:
             raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
@@ -108,7 +109,10 @@ class SpeculativeGenerator:
         if max(prompt_ids) >= self.vocab or min(prompt_ids) < 0:
             raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab}): encode the prompt with "
                                          "this build's tokenizer (pass text, or gen.tokenizer.encode(text))")
-        budget = min(max_new_tokens, C - P)
+        return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method)
+
+    def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method) -> Iterator[Emitted]:
+        P = len(prompt_ids)
         m = self.last_metrics = Metrics(method=method, k=self.k if method == "speculative" else 0, prompt_tokens=P)
         rng = np.random.default_rng(sampling.seed)
         t_start = time.perf_counter()
