@@ -113,3 +113,27 @@ def test_the_cli_streams_text_and_reports_metrics(real_engines):
     assert len(r.stdout.strip()) > 10
     assert "acceptance" in r.stderr and "tok/s" in r.stderr
     assert main is not None
+
+
+def test_a_truncated_copy_of_the_real_target_works_as_a_separate_draft(tmp_path):
+    """The two-model path on the real model: the target's first 6 layers as a draft with its
+    own cache and prefill. Its acceptance is low (an untrained truncation), but greedy output
+    must still be the target's, token for token."""
+    from conftest import ROOT
+    from specrt.config import PRESETS
+    from specrt.pipeline import build
+
+    cfg = PRESETS["smollm2-truncated"].with_(target=str(ROOT / PRESETS["smollm2"].target),
+                                            out=str(tmp_path / "trunc"), max_context=256)
+    g = SpeculativeGenerator(build(cfg, progress=False))
+    man = g.manifest
+    assert man.draft.dims["layers"] == 6 and man.draft.shares_cache_with is None
+    assert set(man.draft.graphs) == {"prefill", "decode"}
+    assert man.draft.parity["graphs"]["decode"]["argmax_agreement"] == 1.0   # vs the truncated torch model
+    for p in PROMPTS[:2]:
+        ids = g.encode_prompt(p, chat=True)
+        plain = [e.token for e in g.tokens(ids, max_new_tokens=48, method="plain")]
+        spec = [e.token for e in g.tokens(ids, max_new_tokens=48)]
+        assert spec == plain
+        assert g.last_metrics.acceptance_rate < 0.5
+    assert g.draft.cache is not g.target.cache
