@@ -36,7 +36,7 @@ def rss_bytes() -> int:
 
 
 def memory_report(gen: SpeculativeGenerator) -> dict:
-    weights = sum(m.weights["bytes"] for m in gen.manifest.models.values())
+    weights = sum(m.entry.weights["bytes"] for m in (gen.target, gen.draft) if m is not None)
     kv = gen.target.cache.nbytes + (gen.draft.cache.nbytes if gen.draft and gen.draft.cache is not gen.target.cache else 0)
     rss = rss_bytes()
     return {"rss_bytes": rss, "weight_bytes": weights, "kv_bytes": kv, "rss_over_weights": rss / weights,

@@ -48,7 +48,13 @@ class Completion:
 
 class SpeculativeGenerator:
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
-                 memory: str = "fast", verify_hashes: bool = False):
+                 memory: str = "fast", methods: Sequence[str] | None = None, verify_hashes: bool = False):
+        """Load the engines in `engine_dir` (a folder written by `specrt build`).
+
+        methods: which decoding methods to make ready (default: all the build supports);
+        a service that only speculates passes ("speculative",) and never loads the
+        target's one-token graph (one session, one packed copy of the weights less).
+        memory: "fast" or "shared", see ort_backend."""
         self.root = Path(engine_dir)
         self.manifest = man = mf.load(self.root)
         mf.check_device(man)
@@ -65,10 +71,19 @@ class SpeculativeGenerator:
                 f"rebuild with --k {k} for a larger window")
         if memory not in MEMORY_MODES:
             raise SamplingParamsError(f"memory={memory!r}; choose one of {MEMORY_MODES}")
+        self.methods = tuple(methods) if methods is not None else (METHODS if man.draft else ("plain",))
+        if not self.methods or any(m not in METHODS for m in self.methods):
+            raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
+        if "speculative" in self.methods and man.draft is None:
+            raise SamplingParamsError("these engines have no draft model: pass methods=('plain',) or rebuild "
+                                      "with a draft (--draft int8)")
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
-        self.target = OrtModel(self.root, man.target, man.shapes, threads=threads, memory=memory)
+        target_graphs = ("prefill",) + (("decode",) if "plain" in self.methods else ()) \
+            + (("verify",) if "speculative" in self.methods else ())
+        self.target = OrtModel(self.root, man.target, man.shapes, threads=threads, memory=memory,
+                               graphs=target_graphs)
         self.draft = None
-        if man.draft is not None:
+        if man.draft is not None and "speculative" in self.methods:
             _check_same_vocab(man)
             shared = man.draft.shares_cache_with == "target"
             self.draft = OrtModel(self.root, man.draft, man.shapes, threads=threads, memory=memory,
@@ -95,8 +110,9 @@ class SpeculativeGenerator:
         sampling = sampling or SamplingParams()
         if method not in METHODS:
             raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
-        if method == "speculative" and self.draft is None:
-            raise SamplingParamsError("these engines have no draft model: use method='plain' or rebuild with a draft")
+        if method not in self.methods:
+            raise SamplingParamsError(f"method={method!r} was not loaded: create the generator with "
+                                      f"methods including {method!r} (it has {self.methods})")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SamplingParamsError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
         P, C = len(prompt_ids), self.shapes.max_context

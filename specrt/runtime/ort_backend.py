@@ -7,10 +7,11 @@ Why it is built this way (measured on 2 cores, see README):
 - Two memory modes. "fast" (default): each session loads the model's `weights.bin`
   itself and pre-packs its MatMul weights (MLAS); pre-packing is what makes the int8
   draft and the verify pass fast, and it costs one packed copy of the weights per
-  session. "shared": the weights are memory-mapped once and handed to every session
-  with `add_initializer`, pre-packing off: about half the memory, slower steps
-  (measured in the README). A model with one graph (the shared-cache draft) is always
-  pre-packed: there is nothing to share, and MatMulNBits is slow without pre-packing.
+  session (ORT's Python API cannot share packed weights between sessions). "shared":
+  the prefill and one-token graphs of a model use one memory-mapped copy of
+  `weights.bin` (`add_initializer`, no pre-packing; ~1.2x / ~1.1x slower steps), while
+  the verify graph and the int8 draft still pre-pack, so speculation keeps its speed
+  (measured in the README; plain decoding pays the 1.1x).
 - Inputs and outputs are bound once to preallocated numpy buffers (`io_binding`);
   a step only writes token ids and `past_len` in place and runs. Output buffers are
   reused: read `logits` before the next `run`.
@@ -180,11 +181,13 @@ class OrtModel:
         self.cache = cache or KVCache(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]))
         self.weights = SharedWeights(root, entry)   # checks the file; maps it (cheap until touched)
         names = graphs or tuple(entry.graphs)
-        if len(names) == 1:   # nothing to share; and MatMulNBits (int8 draft) is slow unless pre-packed
-            memory = "fast"
-        shared = self.weights if memory == "shared" else None
-        self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
-                                      shared, threads, memory) for g in names}
+        self.graphs = {}
+        for g in names:
+            # the verify pass and a single-graph model (the int8 draft: MatMulNBits is slow
+            # unpacked) always pre-pack; in "shared" mode the others share the mapped weights
+            mode = "fast" if g == "verify" or len(entry.graphs) == 1 else memory
+            self.graphs[g] = GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
+                                         self.weights if mode == "shared" else None, threads, mode)
 
     def step(self, graph: str, tokens, start: int) -> np.ndarray:
         r = self.graphs[graph]

@@ -158,3 +158,14 @@ def test_every_family_generates_losslessly_end_to_end(tmp_path, family):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert _tokens(g, prompt, 20, "speculative") == ref[0, len(prompt):].tolist()
     assert _tokens(g, prompt, 20, "plain") == ref[0, len(prompt):].tolist()
+
+
+def test_a_speculative_only_generator_loads_no_one_token_target_graph(tiny_engines):
+    g = SpeculativeGenerator(tiny_engines, methods=("speculative",))
+    assert set(g.target.graphs) == {"prefill", "verify"}
+    assert _tokens(g, PROMPTS[0], 10, "speculative")
+    from specrt.errors import SamplingParamsError
+    with pytest.raises(SamplingParamsError, match="was not loaded"):
+        g.tokens(PROMPTS[0], method="plain")
+    p = SpeculativeGenerator(tiny_engines, methods=("plain",))
+    assert set(p.target.graphs) == {"prefill", "decode"} and p.draft is None
