@@ -169,3 +169,9 @@ def test_a_speculative_only_generator_loads_no_one_token_target_graph(tiny_engin
         g.tokens(PROMPTS[0], method="plain")
     p = SpeculativeGenerator(tiny_engines, methods=("plain",))
     assert set(p.target.graphs) == {"prefill", "decode"} and p.draft is None
+
+
+def test_shared_memory_mode_gives_the_same_tokens(tiny_self_engines, self_gen):
+    shared = SpeculativeGenerator(tiny_self_engines, memory="shared")
+    for method in ("plain", "speculative"):
+        assert _tokens(shared, PROMPTS[1], 24, method) == _tokens(self_gen, PROMPTS[1], 24, method)
