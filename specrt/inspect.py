@@ -15,7 +15,7 @@ def describe(man: mf.Manifest) -> str:
         f"device     {man.device.get('backend')} on {man.device.get('kind')} ({man.device.get('machine')}, {man.device.get('os')})",
         f"shapes     batch={s.batch} max_context={s.max_context} prefill_chunk={s.prefill_chunk} k={s.k} "
         f"kv_capacity={s.kv_capacity}",
-        f"tools      " + ", ".join(f"{k} {v}" for k, v in man.tools.items()),
+        "tools      " + ", ".join(f"{k} {v}" for k, v in man.tools.items()),
         f"tokenizer  {man.tokenizer['file']} (vocab {man.tokenizer.get('vocab_size')}, eos {man.tokenizer.get('eos_token_ids')}, "
         f"chat template {'yes' if man.tokenizer.get('chat_template') else 'no'})",
     ]

@@ -30,7 +30,6 @@ def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
 def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
-    from specrt import manifest as mf
     from specrt.calibration import int8, measure
     from specrt.engines import ort_cpu
     from specrt.export import onnx_export, parity, sources

@@ -18,8 +18,6 @@ from tiny_models import (  # conftest puts tests/ on sys.path
 )
 
 import torch  # noqa: E402  (the test extras install it)
-import transformers  # noqa: E402
-import tokenizers  # noqa: E402
 
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

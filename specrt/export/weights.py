@@ -24,7 +24,7 @@ def pack(graphs: dict[str, onnx.ModelProto], directory: Path, name: str = "weigh
     blobs: dict[str, bytes] = {}
     path = Path(directory) / name
     with open(path, "wb") as f:
-        for gname, model in graphs.items():
+        for model in graphs.values():
             for init in model.graph.initializer:
                 arr = numpy_helper.to_array(init)
                 if arr.nbytes < MIN_BYTES:

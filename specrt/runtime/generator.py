@@ -6,7 +6,8 @@
     print(gen.last_metrics.summary())
 
 Everything it knows comes from the manifest; it imports neither torch, transformers,
-nor the exporter.
+nor the exporter. One instance runs one generation at a time (its buffers and caches
+are reused across calls); a service runs one instance per worker.
 """
 from __future__ import annotations
 

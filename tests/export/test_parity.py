@@ -35,7 +35,7 @@ def test_each_family_exports_within_tolerance_at_real_cache_offsets(tmp_path, fa
 def test_graphs_of_one_model_share_one_weights_file(tmp_path):
     src = make_tiny_model_dir(tmp_path / "model", "llama", layers=2)
     lm = sources.load_source(src)
-    part = onnx_export.export_model(lm, SHAPES, tmp_path / "onnx")
+    onnx_export.export_model(lm, SHAPES, tmp_path / "onnx")
     weight_bytes = sum(p.numel() * 4 for p in lm.model.parameters())   # tied: embedding counted once
     size = (tmp_path / "onnx" / "weights.bin").stat().st_size
     # one copy of the parameters (plus page alignment), not one per graph
