@@ -120,6 +120,7 @@ def test_a_truncated_copy_of_the_real_target_works_as_a_separate_draft(tmp_path)
     own cache and prefill. Its acceptance is low (an untrained truncation), but greedy output
     must still be the target's, token for token."""
     from conftest import ROOT
+
     from specrt.config import PRESETS
     from specrt.pipeline import build
 

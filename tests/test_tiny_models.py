@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
+import torch  # noqa: E402  (the test extras install it)
 from tiny_models import (  # conftest puts tests/ on sys.path
     BOS_ID,
     EOS_ID,
@@ -16,9 +16,6 @@ from tiny_models import (  # conftest puts tests/ on sys.path
     make_tiny_model_dir,
     make_tokenizer_files,
 )
-
-import torch  # noqa: E402  (the test extras install it)
-
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 

@@ -3,10 +3,10 @@ Hugging Face model within its stated tolerance at real cache offsets."""
 from __future__ import annotations
 
 import pytest
+from tiny_models import make_tiny_model_dir
 
 from specrt.export import onnx_export, parity, sources
 from specrt.manifest import Shapes
-from tiny_models import make_tiny_model_dir
 
 SHAPES = Shapes(batch=1, max_context=64, prefill_chunk=16, k=3)
 

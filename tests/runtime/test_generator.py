@@ -145,10 +145,9 @@ def test_eos_ends_the_stream(gen):
 def test_every_family_generates_losslessly_end_to_end(tmp_path, family):
     """Export, int8 draft, runtime: greedy speculative == plain == Hugging Face generate."""
     import torch
-    from transformers import AutoModelForCausalLM
-
     from conftest import build_tiny
     from tiny_models import make_tiny_model_dir
+    from transformers import AutoModelForCausalLM
 
     src = make_tiny_model_dir(tmp_path / "m", family, layers=2, seed=3)
     g = SpeculativeGenerator(build_tiny(tmp_path / "eng", src, "int8"))
