@@ -24,12 +24,13 @@ def cmd_build(a) -> int:
         if a.preset not in PRESETS:
             raise SpecrtError(f"unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
         cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
-                                      prefill_chunk=a.prefill_chunk, k=a.k)
+                                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention)
     else:
         if not (a.target and a.out):
             raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
         cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
-                                                            prefill_chunk=a.prefill_chunk, k=a.k)
+                                                            prefill_chunk=a.prefill_chunk, k=a.k,
+                                                            attention=a.attention)
     out = build(cfg, progress=not a.quiet)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
     b.add_argument("--max-context", type=int)
     b.add_argument("--prefill-chunk", type=int)
     b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
+    b.add_argument("--attention", choices=("gqa", "portable"),
+                   help="gqa (default): ONNX Runtime's fused GroupQueryAttention, KV written in place; "
+                        "portable: standard ONNX ops only")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_build)
 

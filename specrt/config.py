@@ -22,6 +22,7 @@ class BuildConfig:
     prefill_chunk: int = 64
     k: int = 4
     threads: int = 2
+    attention: str = "gqa"    # "gqa": ORT's fused GroupQueryAttention, in-place KV; "portable": standard ONNX ops
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -32,6 +33,9 @@ class BuildConfig:
             raise SpecrtError(f"prefill_chunk={self.prefill_chunk} exceeds max_context={self.max_context}")
         if self.k + 1 > self.max_context:
             raise SpecrtError(f"k={self.k} needs max_context > {self.k + 1}")
+        if self.attention not in ("gqa", "portable"):
+            raise SpecrtError(f"attention={self.attention!r}; choose 'gqa' (ONNX Runtime, fastest) or 'portable' "
+                              "(standard ONNX ops only)")
         kind = self.draft_kind
         if kind == "truncate" and self.truncate_layers < 1:
             raise SpecrtError(f"draft={self.draft!r}: N must be a positive integer")

@@ -31,7 +31,10 @@ IO_NAMES = {
     "logits": "logits",
     "new_key": "new_k_%d",
     "new_value": "new_v_%d",
+    "present_key": "present_k_%d",      # in-place variant: the whole cache, same buffer as past
+    "present_value": "present_v_%d",
 }
+KV_UPDATES = ("returned", "in_place")   # ModelEntry.kv["update"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class ModelEntry:
     graphs: dict[str, GraphEntry]   # "prefill" | "decode" | "verify"
     weights: dict                   # {"file", "sha256", "bytes", "initializers"}
     source: dict                    # path, model_type, input file hashes, how it was derived
-    kv: dict                        # {"dtype", "layout", "shares_cache_with"}
+    kv: dict                        # {"dtype", "layout", "update", "shares_cache_with"}
     io: dict = field(default_factory=lambda: dict(IO_NAMES))
     parity: dict = field(default_factory=dict)
 
@@ -75,6 +78,12 @@ class ModelEntry:
     @property
     def shares_cache_with(self) -> str | None:
         return self.kv.get("shares_cache_with")
+
+    @property
+    def in_place(self) -> bool:
+        """True when the graphs write new K/V into the cache buffers themselves
+        (outputs present_* bound to the past_* buffers), False when they return them."""
+        return self.kv.get("update", "returned") == "in_place"
 
 
 @dataclass(frozen=True)

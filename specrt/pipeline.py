@@ -54,13 +54,13 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     if kind == "model":   # refuse a mismatched draft before the long export
         dm = sources.load_source(cfg.draft)
         _check_same_tokenizer(tgt, dm)
-    part = onnx_export.export_model(tgt, shapes, tmp / "target", progress=lambda g: step(f"target {g} exported"))
+    part = onnx_export.export_model(tgt, shapes, tmp / "target", attention=cfg.attention,
+                                    progress=lambda g: step(f"target {g} exported"))
     part["parity"] = parity.check_parity(tgt.model, tmp / "target", part, shapes, rtol=tgt.spec.parity_rtol)
     tok_info = _save_tokenizer(tgt, tmp)
     part.update(subdir="target", family=tgt.spec.family, precision="fp32",
                 source={**tgt.identity, "tokenizer_sha256": tok_info["sha256"]},
-                kv={"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
-                    "shares_cache_with": None})
+                kv=_kv(cfg, None))
     parts = {"target": part}
     step("target parity checked")
 
@@ -73,8 +73,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
         d.update(subdir="draft", family=tgt.spec.family, precision="int8-" + method,
                  source={**tgt.identity, "derived": f"int8 ({method}) copy of the target",
                          "tokenizer_sha256": tok_info["sha256"]},
-                 kv={"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
-                     "shares_cache_with": "target"})
+                 kv=_kv(cfg, "target"))
         parts["draft"] = d
     elif kind in ("truncate", "model"):
         if kind == "truncate":
@@ -88,14 +87,13 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
             layers = None
             reference, derived = dm.model, {}
         d = onnx_export.export_model(dm, shapes, tmp / "draft", graphs=("prefill", "decode"), layers=layers,
-                                     progress=lambda g: step(f"draft {g} exported"))
+                                     attention=cfg.attention, progress=lambda g: step(f"draft {g} exported"))
         d["parity"] = parity.check_parity(reference, tmp / "draft", d, shapes, rtol=dm.spec.parity_rtol)
         d["parity"]["agreement_with_target"] = measure.draft_agreement(
             tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=False)
         d.update(subdir="draft", family=dm.spec.family, precision="fp32",
                  source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
-                 kv={"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
-                     "shares_cache_with": None})
+                 kv=_kv(cfg, None))
         parts["draft"] = d
     build_info = {"config": cfg.as_dict(), "seconds": round(time.perf_counter() - t_start, 1)}
     ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info)
@@ -104,6 +102,11 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     ort_cpu.replace_dir(tmp, out)
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
     return out
+
+
+def _kv(cfg: BuildConfig, shares: str | None) -> dict:
+    return {"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
+            "update": "in_place" if cfg.attention == "gqa" else "returned", "shares_cache_with": shares}
 
 
 def _check_window(lm, shapes) -> None:

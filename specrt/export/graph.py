@@ -12,7 +12,15 @@ KV contract (one graph per T: prefill chunk, decode T=1, verify T=k+1):
              new_v_{i}  [1, KVH, T, D]
 
 The caller writes new_k/new_v into the cache at [past_len, past_len + T); rejecting
-draft tokens only lowers the length. Cache rows >= past_len are masked, so stale rows
+draft tokens only lowers the length.
+
+Two attention variants (`attention=`):
+- "portable": standard ONNX ops only (below); any runtime that reads ONNX runs it.
+- "gqa": ONNX Runtime's fused `com.microsoft.GroupQueryAttention` (rotary inside). It
+  attends only to the valid length and writes the new K/V into the cache in place: the
+  outputs are `present_k_{i}` / `present_v_{i}` [1, KVH, M, D], which the runtime binds
+  to the very buffers it passes as `past_*` (past/present share one buffer). ~1.3x
+  faster per step on 2 cores at short contexts; ONNX Runtime only. Cache rows >= past_len are masked, so stale rows
 are harmless. Attention never concatenates the cache (that would copy M rows per
 layer per step): scores against the cache and against the new block are computed
 separately and joined only after the dot products:
@@ -26,6 +34,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.onnx.ops
 from torch import nn
 
 from specrt.export.specs import ArchSpec, Dims
@@ -37,9 +46,11 @@ def _w(sd: dict, name: str) -> nn.Parameter:
 
 class StaticDecoder(nn.Module):
     def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, *, tokens: int, kv_capacity: int,
-                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0):
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
+                 attention: str = "portable"):
         super().__init__()
-        self.spec, self.dims, self.T, self.M = spec, dims, tokens, kv_capacity
+        assert attention in ATTENTION, attention
+        self.spec, self.dims, self.T, self.M, self.attention = spec, dims, tokens, kv_capacity, attention
         W = spec.weights
         # lm_head is stored [C, V] so MatMul's B is a plain initializer (quantizable); a tied
         # model gathers its embeddings from the same table by column: one copy of V*C weights
@@ -54,6 +65,10 @@ class StaticDecoder(nn.Module):
             self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
             self.rope_scale = attention_scaling
             self.register_buffer("rot", rotate_half_matrix(dims.head_dim), persistent=False)
+            # GroupQueryAttention's rotary tables, one row per cache position: [M, D/2]
+            freqs = torch.arange(kv_capacity, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            self.register_buffer("cos_cache", freqs.cos() * attention_scaling, persistent=False)
+            self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
         self.layers = nn.ModuleList(_Layer(spec, dims, sd, i) for i in range(dims.layers))
         T, G = tokens, dims.group
         # causal mask of the new block, one copy per query group: [G*T, T]
@@ -73,7 +88,9 @@ class StaticDecoder(nn.Module):
             # padded prefill rows may run past the table; they are never read
             x = x + self.pos_embed[pos.clamp(max=self.dims.max_positions - 1)].unsqueeze(0)
             rope = None
-        else:
+        if self.attention == "gqa":
+            return self._forward_gqa(x, past_len, past)
+        if self.spec.positions == "rope":
             freqs = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]   # [T, D/2]
             emb = torch.cat([freqs, freqs], dim=-1)                          # [T, D]
             rope = (emb.cos() * self.rope_scale, emb.sin() * self.rope_scale, self.rot)
@@ -82,9 +99,27 @@ class StaticDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, self.causal, rope)
             new_kv += [k, v]
+        return (self._head(x), *new_kv)
+
+    def _forward_gqa(self, x, past_len, past):
+        if not torch.onnx.is_in_onnx_export():
+            raise RuntimeError("attention='gqa' exists only as an ONNX Runtime graph; use 'portable' in torch")
+        # GroupQueryAttention: seqlens_k = total length - 1 (per batch), total_sequence_length scalar
+        seqlens = (past_len + (self.T - 1)).to(torch.int32)                   # [1]
+        total = (past_len + self.T).to(torch.int32).reshape(())               # []
+        rope = (self.cos_cache, self.sin_cache) if self.spec.positions == "rope" else None
+        present = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.forward_gqa(x, past[2 * i], past[2 * i + 1], seqlens, total, rope)
+            present += [k, v]
+        return (self._head(x), *present)
+
+    def _head(self, x):
         x = _norm(self.spec, x, self.final_norm, self.final_norm_bias, self.dims.eps)
-        logits = x @ self.lm_head                                           # [1, T, V]
-        return (logits, *new_kv)
+        return x @ self.lm_head                                             # [1, T, V]
+
+
+ATTENTION = ("gqa", "portable")
 
 
 def _norm(spec, x, w, b, eps):
@@ -161,7 +196,25 @@ class _Layer(nn.Module):
         M = past_k.shape[2]
         o = a[..., :M] @ past_v + a[..., M:] @ v                                      # [1, KVH, G*T, D]
         o = o.reshape(1, H, T, D).transpose(1, 2).reshape(1, T, H * D)
-        x = x + self._lin(o, self.o, self.o_b)
+        return self._mlp(x + self._lin(o, self.o, self.o_b)), k, v
+
+    def forward_gqa(self, x, past_k, past_v, seqlens, total, rope):
+        # x: [1, T, C]; past_k/v: [1, KVH, M, D] (also the present outputs: written in place)
+        d = self.dims
+        T, H, KVH, D = x.shape[1], d.heads, d.kv_heads, d.head_dim
+        h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
+        q, k, v = self._lin(h, self.qkv, self.qkv_b).split([H * D, KVH * D, KVH * D], dim=-1)
+        inputs = [q, k, v, past_k, past_v, seqlens, total] + (list(rope) if rope is not None else [])
+        o, pk, pv = torch.onnx.ops.symbolic_multi_out(
+            "com.microsoft::GroupQueryAttention", inputs,
+            dict(num_heads=H, kv_num_heads=KVH, scale=1.0 / math.sqrt(D), do_rotary=int(rope is not None),
+                 rotary_interleaved=0),
+            dtypes=(torch.float32, torch.float32, torch.float32),
+            shapes=((1, T, H * D), tuple(past_k.shape), tuple(past_v.shape)), version=1)
+        return self._mlp(x + self._lin(o, self.o, self.o_b)), pk, pv
+
+    def _mlp(self, x):
+        d = self.dims
         h = _norm(self.spec, x, self.norm2, self.norm2_bias, d.eps)
         if self.spec.mlp == "gated_silu":
             gate, up = (h @ self.gate_up).chunk(2, dim=-1)
@@ -169,4 +222,4 @@ class _Layer(nn.Module):
         else:
             m = self._lin(nn.functional.gelu(self._lin(h, self.fc, self.fc_b), approximate="tanh"),
                           self.proj, self.proj_b)
-        return x + m, k, v
+        return x + m

@@ -41,7 +41,8 @@ class GraphSet:
         feed.update(zip(names, self.cache))
         out = self.sessions[graph].run(None, feed)
         for c, new in zip(self.cache, out[1:]):
-            c[:, :, start:start + n] = new[:, :, :n]
+            # returned K/V hold T rows; an in-place graph's present_* hold the whole cache
+            c[:, :, start:start + n] = new[:, :, :n] if new.shape[2] == T else new[:, :, start:start + n]
         return out[0][0, :n]
 
 

@@ -113,40 +113,43 @@ class GraphRunner:
                                  "it is corrupt or from an incompatible build: rebuild the engines") from None
         d, io = entry.dims, entry.io
         self.tokens = tokens
+        self.in_place = entry.in_place
         self.ids = np.zeros((1, tokens), np.int64)
         self.past_len = np.zeros((1,), np.int64)
         self.logits = np.zeros((1, tokens, int(d["vocab"])), np.float32)
         kv_shape = (1, int(d["kv_heads"]), tokens, int(d["head_dim"]))
-        self.new_k = [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
-        self.new_v = [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
+        out_kv = ("present_key", "present_value") if self.in_place else ("new_key", "new_value")
+        # in place: the graph writes rows [past_len, past_len+T) of the cache itself
+        self.new_k = [] if self.in_place else [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
+        self.new_v = [] if self.in_place else [np.zeros(kv_shape, np.float32) for _ in range(entry.layers)]
+        cache_shape = cache.keys[0].shape
         _check_signature(self.session, path, {
             io["input_ids"]: self.ids.shape, io["past_len"]: self.past_len.shape,
-            **{io[kv] % i: cache.keys[0].shape for i in range(entry.layers) for kv in ("past_key", "past_value")},
+            **{io[kv] % i: cache_shape for i in range(entry.layers) for kv in ("past_key", "past_value")},
         }, {
             io["logits"]: self.logits.shape,
-            **{io[kv] % i: kv_shape for i in range(entry.layers) for kv in ("new_key", "new_value")},
+            **{io[kv] % i: cache_shape if self.in_place else kv_shape
+               for i in range(entry.layers) for kv in out_kv},
         })
         b = self.binding = self.session.io_binding()
         self._hold = []  # OrtValues must outlive the binding
 
-        def bind_in(name, arr):
+        def value(arr):
             v = ort.OrtValue.ortvalue_from_numpy(arr)
             self._hold.append(v)
-            b.bind_ortvalue_input(name, v)
+            return v
 
-        def bind_out(name, arr):
-            v = ort.OrtValue.ortvalue_from_numpy(arr)
-            self._hold.append(v)
-            b.bind_ortvalue_output(name, v)
-
-        bind_in(io["input_ids"], self.ids)
-        bind_in(io["past_len"], self.past_len)
-        bind_out(io["logits"], self.logits)
+        b.bind_ortvalue_input(io["input_ids"], value(self.ids))
+        b.bind_ortvalue_input(io["past_len"], value(self.past_len))
+        b.bind_ortvalue_output(io["logits"], value(self.logits))
         for i in range(entry.layers):
-            bind_in(io["past_key"] % i, cache.keys[i])
-            bind_in(io["past_value"] % i, cache.values[i])
-            bind_out(io["new_key"] % i, self.new_k[i])
-            bind_out(io["new_value"] % i, self.new_v[i])
+            for j, (buf, past) in enumerate(((cache.keys[i], "past_key"), (cache.values[i], "past_value"))):
+                v = value(buf)
+                b.bind_ortvalue_input(io[past] % i, v)
+                if self.in_place:   # one buffer for past and present: GroupQueryAttention's share-buffer mode
+                    b.bind_ortvalue_output(io[out_kv[j]] % i, v)
+                else:
+                    b.bind_ortvalue_output(io[out_kv[j]] % i, value((self.new_k, self.new_v)[j][i]))
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.binding)
@@ -198,5 +201,6 @@ class OrtModel:
             r.ids[0, n:] = 0   # padding rows: computed, written past the length, never read
         r.past_len[0] = start
         r.run()
-        self.cache.write(r.new_k, r.new_v, start, n)
+        if not r.in_place:
+            self.cache.write(r.new_k, r.new_v, start, n)
         return r.logits[0, :n]

@@ -11,6 +11,7 @@ from specrt.manifest import Shapes
 SHAPES = Shapes(batch=1, max_context=64, prefill_chunk=16, k=3)
 
 
+@pytest.mark.parametrize("attention", ["gqa", "portable"])
 @pytest.mark.parametrize("family,kw", [
     ("llama", {}),
     ("llama", {"tie_embeddings": False}),
@@ -19,10 +20,10 @@ SHAPES = Shapes(batch=1, max_context=64, prefill_chunk=16, k=3)
     ("qwen2", {}),                                    # q/k/v bias
     ("gpt2", {}),                                     # learned positions, fused qkv, LayerNorm
 ])
-def test_each_family_exports_within_tolerance_at_real_cache_offsets(tmp_path, family, kw):
+def test_each_family_exports_within_tolerance_at_real_cache_offsets(tmp_path, family, kw, attention):
     src = make_tiny_model_dir(tmp_path / "model", family, layers=2, **kw)
     lm = sources.load_source(src)
-    part = onnx_export.export_model(lm, SHAPES, tmp_path / "onnx")
+    part = onnx_export.export_model(lm, SHAPES, tmp_path / "onnx", attention=attention)
     report = parity.check_parity(lm.model, tmp_path / "onnx", part, SHAPES, rtol=lm.spec.parity_rtol)
     graphs = report["graphs"]
     assert set(graphs) == {"prefill", "decode", "verify", "decode_vs_verify"}
