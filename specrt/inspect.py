@@ -27,7 +27,7 @@ def describe(man: mf.Manifest) -> str:
             f"{d['kv_heads']} kv, head_dim {d['head_dim']}, vocab {d['vocab']}",
             f"  source   {m.source.get('source')}" + (f" ({m.source['derived']})" if m.source.get("derived") else ""),
             f"  weights  {m.weights['file']} {_mb(m.weights['bytes'])}, {len(m.weights['initializers'])} tensors",
-            f"  kv       {m.kv.get('dtype')} {m.kv.get('layout')}"
+            f"  kv       {m.kv.get('dtype')} {m.kv.get('layout')}, {m.kv.get('update', 'returned')}"
             + (f", shares the {m.shares_cache_with}'s cache" if m.shares_cache_with else ""),
         ]
         for g, e in m.graphs.items():
