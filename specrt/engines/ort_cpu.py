@@ -27,8 +27,10 @@ def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
     graphs = {g: mf.GraphEntry(file=f"{subdir}/{e['file']}", tokens=e["tokens"], sha256=e["sha256"])
               for g, e in part["graphs"].items()}
     weights = {**part["weights"], "file": f"{subdir}/{part['weights']['file']}"}
+    io = {**mf.IO_NAMES, "dtypes": {"input_ids": "int64", "past_len": "int64", "logits": "float32",
+                                    "kv": part["kv"]["dtype"]}}
     return mf.ModelEntry(role=role, family=part["family"], precision=part["precision"], dims=part["dims"],
-                         graphs=graphs, weights=weights, source=part["source"], kv=part["kv"],
+                         graphs=graphs, weights=weights, source=part["source"], kv=part["kv"], io=io,
                          parity=part.get("parity", {}))
 
 
