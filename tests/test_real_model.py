@@ -138,3 +138,22 @@ def test_a_truncated_copy_of_the_real_target_works_as_a_separate_draft(tmp_path)
         assert spec == plain
         assert g.last_metrics.acceptance_rate < 0.5
     assert g.draft.cache is not g.target.cache
+
+
+def test_a_long_prompt_fed_in_several_chunks_continues_like_hugging_face(gen):
+    """Chunked prefill (3 chunks of 64) + in-place KV: the greedy continuation matches
+    transformers' own generate on the same model."""
+    import torch
+
+    from conftest import ROOT
+    from specrt.config import PRESETS
+    from specrt.export.sources import load_source
+
+    text = " ".join(PROMPTS) + " Now answer the first question only."
+    ids = gen.encode_prompt(text, chat=True)
+    assert 2 * 64 < len(ids) < gen.shapes.max_context - 32
+    ours = [e.token for e in gen.tokens(ids, max_new_tokens=24)]
+    model = load_source(ROOT / PRESETS["smollm2"].target).model
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert ours == ref[0, len(ids):].tolist()
