@@ -30,8 +30,11 @@ $(GGUF): | venv
 	echo "$(GGUF_SHA256)  $(GGUF)" | sha256sum -c --quiet
 	touch $@
 
+# rebuilt when the model or any build-stage source changes
+BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/engines/*.py) \
+                 specrt/pipeline.py specrt/config.py specrt/manifest.py
 engines: $(ENGINES)/manifest.json
-$(ENGINES)/manifest.json: $(GGUF) | venv
+$(ENGINES)/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2
 
 demo: engines
