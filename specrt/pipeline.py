@@ -121,7 +121,7 @@ def _check_window(lm, shapes) -> None:
     if sw and sw < shapes.kv_capacity:
         raise SpecrtError(f"the model uses sliding-window attention ({sw} tokens) and max_context + window "
                           f"= {shapes.kv_capacity} exceeds it; specrt does not export sliding windows: "
-                          f"use --max-context below {sw - shapes.prefill_chunk}")
+                          f"use --max-context below {sw - max(shapes.prefill_chunk, shapes.k + 1)}")
 
 
 def _save_tokenizer(lm, out: Path) -> dict:

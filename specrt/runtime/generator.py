@@ -165,13 +165,15 @@ class SpeculativeGenerator:
         with _closing(gen):
             for e in gen:
                 if e.token in eos:
+                    if held:   # a held-back prefix of a stop string that never completed
+                        yield Chunk(held, [], [])
                     self.last_metrics.finish_reason = "eos"
                     break
                 held += dec.push(e.token)
                 hit = min((i for i in (held.find(s) for s in stop) if i >= 0), default=-1)
                 if hit >= 0:
-                    if hit:
-                        yield Chunk(held[:hit], [e.token], [e.from_draft])
+                    # the token that completed the stop string is reported; its text is trimmed
+                    yield Chunk(held[:hit], [e.token], [e.from_draft])
                     self.last_metrics.finish_reason = "stop"
                     break
                 keep = _partial_stop_suffix(held, stop)

@@ -79,8 +79,8 @@ def plain_decode(target: Model, first_logits: np.ndarray, start: int, budget: in
     try:
         tok = _choose(first_logits, params, rng, ws.scratch)
         for i in range(budget):
+            metrics.tokens += 1            # counted as handed out, as in speculative_decode
             yield Emitted(tok, False)
-            metrics.tokens += 1
             if i == budget - 1:
                 break
             t0 = time.perf_counter()
@@ -111,8 +111,8 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
     try:
         cur = _choose(first_logits, params, rng, ws.scratch)
         seq.append(cur)
-        yield Emitted(cur, False)
         emitted = metrics.tokens = 1
+        yield Emitted(cur, False)
         while emitted < budget:
             k_eff = min(k, budget - emitted - 1)   # the verify pass emits up to k_eff + 1
             t0 = time.perf_counter()

@@ -174,3 +174,32 @@ def test_shared_memory_mode_gives_the_same_tokens(tiny_self_engines, self_gen):
     shared = SpeculativeGenerator(tiny_self_engines, memory="shared")
     for method in ("plain", "speculative"):
         assert _tokens(shared, PROMPTS[1], 24, method) == _tokens(self_gen, PROMPTS[1], 24, method)
+
+
+def test_eos_releases_text_held_back_for_a_possible_stop_string(gen):
+    ids = PROMPTS[2]
+    toks = _tokens(gen, ids, 20, "plain")
+    eos = gen.tokenizer.eos_token_ids
+    gen.tokenizer.eos_token_ids = frozenset({toks[6]})
+    try:
+        full = gen.generate(ids, max_new_tokens=20, method="plain")
+        assert full.finish_reason == "eos" and full.text
+        # a stop string that starts with the last character and never completes
+        held = gen.generate(ids, max_new_tokens=20, method="plain", stop=[full.text[-1] + "\x01\x02"])
+        assert held.finish_reason == "eos" and held.text == full.text
+    finally:
+        gen.tokenizer.eos_token_ids = eos
+
+
+@pytest.mark.parametrize("method", ["plain", "speculative"])
+def test_metrics_count_the_tokens_handed_out_in_both_methods(gen, method):
+    ids = PROMPTS[2]
+    toks = _tokens(gen, ids, 20, "plain")
+    eos = gen.tokenizer.eos_token_ids
+    gen.tokenizer.eos_token_ids = frozenset({toks[6]})
+    try:
+        c = gen.generate(ids, max_new_tokens=20, method=method)
+        assert len(c.tokens) == toks.index(toks[6])
+        assert c.metrics.tokens == len(c.tokens) + 1   # the EOS token was handed out too
+    finally:
+        gen.tokenizer.eos_token_ids = eos
