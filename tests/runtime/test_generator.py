@@ -203,3 +203,24 @@ def test_metrics_count_the_tokens_handed_out_in_both_methods(gen, method):
         assert c.metrics.tokens == len(c.tokens) + 1   # the EOS token was handed out too
     finally:
         gen.tokenizer.eos_token_ids = eos
+
+
+def test_dynamic_int8_draft_is_lossless_too(tmp_path, tiny_pair):
+    from conftest import build_tiny
+
+    g = SpeculativeGenerator(build_tiny(tmp_path / "dyn", tiny_pair[0], "int8-dynamic"))
+    assert g.manifest.draft.precision == "int8-dynamic" and g.draft.cache is g.target.cache
+    assert _tokens(g, PROMPTS[1], 24, "speculative") == _tokens(g, PROMPTS[1], 24, "plain")
+    assert g.manifest.draft.parity["agreement_with_target"]["top1_agreement"] > 0.5
+
+
+def test_engines_without_a_draft_decode_plainly_and_refuse_to_speculate(tmp_path, tiny_pair):
+    from conftest import build_tiny
+    from specrt.errors import SamplingParamsError
+
+    d = build_tiny(tmp_path / "none", tiny_pair[0], "none")
+    g = SpeculativeGenerator(d)
+    assert g.manifest.draft is None and g.methods == ("plain",)
+    assert len(_tokens(g, PROMPTS[0], 8, "plain")) == 8
+    with pytest.raises(SamplingParamsError, match="no draft"):
+        SpeculativeGenerator(d, methods=("speculative",))
