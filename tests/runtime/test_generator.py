@@ -216,6 +216,7 @@ def test_dynamic_int8_draft_is_lossless_too(tmp_path, tiny_pair):
 
 def test_engines_without_a_draft_decode_plainly_and_refuse_to_speculate(tmp_path, tiny_pair):
     from conftest import build_tiny
+
     from specrt.errors import SamplingParamsError
 
     d = build_tiny(tmp_path / "none", tiny_pair[0], "none")
