@@ -15,6 +15,8 @@ from specrt.config import BuildConfig
 from specrt.errors import TokenizerMismatchError
 
 log = logging.getLogger(__name__)
+# an INT8 copy that disagrees with its own fp32 source this often is broken, not just weak
+MIN_INT8_AGREEMENT = 0.5
 
 
 def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
@@ -68,8 +70,16 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
         method = "blockwise" if kind == "int8" else "dynamic"
         d = int8.quantize_model(tmp / "target", part, tmp / "draft", graphs=("decode",), method=method)
         step("draft quantized")
-        d["parity"] = {"agreement_with_target": measure.draft_agreement(
-            tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=True)}
+        agreement = measure.draft_agreement(tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt),
+                                            shared_cache=True)
+        agreement["min_top1_agreement"] = MIN_INT8_AGREEMENT
+        if agreement["top1_agreement"] < MIN_INT8_AGREEMENT:
+            from specrt.errors import ParityError
+            raise ParityError(
+                f"the {method} INT8 draft agrees with the target on only {agreement['top1_agreement']:.1%} of "
+                f"positions (tolerance: at least {MIN_INT8_AGREEMENT:.0%}); the quantization is broken for this "
+                "model: try --draft int8-dynamic, another draft, or --draft none")
+        d["parity"] = {"agreement_with_target": agreement}
         d.update(subdir="draft", family=tgt.spec.family, precision="int8-" + method,
                  source={**tgt.identity, "derived": f"int8 ({method}) copy of the target",
                          "tokenizer_sha256": tok_info["sha256"]},

@@ -358,3 +358,15 @@ def test_build_with_a_draft_path_that_does_not_exist_raises_specrt_error(tiny_pa
     assert "neither a known kind nor an existing path" in msg and "int8" in msg
     assert not (tmp_path / "out").exists()
 
+
+
+def test_an_int8_draft_that_disagrees_with_its_target_fails_the_build(tiny_pair, tmp_path, monkeypatch):
+    from specrt.calibration import measure
+    from specrt.errors import ParityError
+
+    real = measure.draft_agreement
+    monkeypatch.setattr(measure, "draft_agreement",
+                        lambda *a, **k: {**real(*a, **k), "top1_agreement": 0.1})
+    msg = expect(ParityError, build_tiny, tmp_path / "bad", tiny_pair[0], "int8")
+    assert "10.0%" in msg and "--draft" in msg
+    assert not (tmp_path / "bad").exists()
