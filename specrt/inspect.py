@@ -40,6 +40,7 @@ def describe(man: mf.Manifest) -> str:
             lines.append(f"  parity   tolerance {par['tolerance']:.2e} vs {par.get('reference')}")
         ag = par.get("agreement_with_target")
         if ag:
+            gate = f", build requires >= {ag['min_top1_agreement']:.2f}" if "min_top1_agreement" in ag else ""
             lines.append(f"  draft    top-1 agreement with target {ag['top1_agreement']:.3f} over {ag['positions']} "
-                         f"positions ({ag['regime']})")
+                         f"positions ({ag['regime']}{gate})")
     return "\n".join(lines)
