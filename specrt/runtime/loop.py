@@ -104,7 +104,7 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
     then overwrites). seq: the prompt; emitted tokens are appended (the draft's catch-up
     reads it). budget: most tokens to emit (already clipped to the context).
     """
-    k = ws.k
+    k, vt = ws.k, ws.verify_tokens
     length = start                     # target rows with KV; seq[length] is `cur`
     d_len = start if shared_cache else draft_start
     emitted = 0
@@ -120,7 +120,7 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
                 while d_len < length:
                     draft.step("decode", (seq[d_len],), d_len)
                     d_len += 1
-            x = cur
+            x = vt[0] = cur                  # verify window: [cur, x1..x_k_eff]
             for j in range(k_eff):
                 q_logits = draft.step("decode", (x,), length + j)[0]
                 if params.greedy:
@@ -128,11 +128,8 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
                 else:
                     x = sample(probs_from_logits(q_logits, params, ws.q[j]), rng)
                 ws.draft_tokens[j] = x
+                vt[j + 1] = x
             t1 = time.perf_counter()
-            vt = ws.verify_tokens
-            vt[0] = cur
-            for j in range(k_eff):
-                vt[j + 1] = int(ws.draft_tokens[j])
             p_logits = target.step("verify", vt[:k_eff + 1] if k_eff < k else vt, length)
             t2 = time.perf_counter()
             verdict = _verify(p_logits, k_eff, params, rng, ws)

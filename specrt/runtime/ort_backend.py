@@ -66,17 +66,21 @@ def session_options(threads: int, memory: str = "fast") -> ort.SessionOptions:
     return so
 
 
+def check_weights_file(root: Path, entry: ModelEntry) -> Path:
+    path = root / entry.weights["file"]
+    if not path.is_file():
+        raise GraphFileError(f"weights file {path} is missing: rebuild the engines")
+    size = path.stat().st_size
+    if size != entry.weights["bytes"]:
+        raise GraphFileError(f"{path} has {size} bytes, the manifest says {entry.weights['bytes']}: "
+                             "the file is truncated or replaced; rebuild the engines")
+    return path
+
+
 class SharedWeights:
     """`weights.bin` mapped read-only once; one OrtValue per initializer, shared by sessions."""
 
-    def __init__(self, root: Path, entry: ModelEntry):
-        path = root / entry.weights["file"]
-        if not path.is_file():
-            raise GraphFileError(f"weights file {path} is missing: rebuild the engines")
-        size = path.stat().st_size
-        if size != entry.weights["bytes"]:
-            raise GraphFileError(f"{path} has {size} bytes, the manifest says {entry.weights['bytes']}: "
-                                 "the file is truncated or replaced; rebuild the engines")
+    def __init__(self, path: Path, entry: ModelEntry):
         self.map = np.memmap(path, dtype=np.uint8, mode="r")
         self.values: dict[str, ort.OrtValue] = {}
         self._arrays = []  # keep the views alive as long as the OrtValues
@@ -182,15 +186,15 @@ class OrtModel:
         d = entry.dims
         self.entry = entry
         self.cache = cache or KVCache(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]))
-        self.weights = SharedWeights(root, entry)   # checks the file; maps it (cheap until touched)
+        weights_path = check_weights_file(root, entry)
         names = graphs or tuple(entry.graphs)
-        self.graphs = {}
-        for g in names:
-            # the verify pass and a single-graph model (the int8 draft: MatMulNBits is slow
-            # unpacked) always pre-pack; in "shared" mode the others share the mapped weights
-            mode = "fast" if g == "verify" or len(entry.graphs) == 1 else memory
-            self.graphs[g] = GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
-                                         self.weights if mode == "shared" else None, threads, mode)
+        # the verify pass and a single-graph model (the int8 draft: MatMulNBits is slow
+        # unpacked) always pre-pack; in "shared" mode the others share the mapped weights
+        modes = {g: "fast" if g == "verify" or len(entry.graphs) == 1 else memory for g in names}
+        self.weights = SharedWeights(weights_path, entry) if "shared" in modes.values() else None
+        self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
+                                      self.weights if modes[g] == "shared" else None, threads, modes[g])
+                       for g in names}
 
     def step(self, graph: str, tokens, start: int) -> np.ndarray:
         r = self.graphs[graph]
