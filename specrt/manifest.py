@@ -119,15 +119,25 @@ class Manifest:
 
 
 def load(directory: str | Path) -> Manifest:
-    """Read and structurally validate `directory/manifest.json`."""
+    """Read and structurally validate `directory/manifest.json` (or a path to the manifest itself)."""
     directory = Path(directory)
-    path = directory / FILENAME if directory.is_dir() or not directory.suffix else directory
+    if directory.is_dir():
+        path = directory / FILENAME
+    elif directory.name == FILENAME or not directory.exists():
+        path = directory if directory.name == FILENAME else directory / FILENAME
+    else:
+        raise ManifestError(f"{directory} is a file, not an engine folder: give the folder written by "
+                            f"`specrt build` (the one holding {FILENAME})")
     if not path.exists():
         raise ManifestError(f"no {FILENAME} in {path.parent}: build the engines first (`specrt build` or `make engines`)")
+    if not path.is_file():
+        raise ManifestError(f"{path} is not a file: point at a folder written by `specrt build`, or rebuild the engines")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON ({e}); rebuild the engines") from None
+    except OSError as e:
+        raise ManifestError(f"{path} cannot be read ({e.strerror}): check its permissions, or rebuild the engines") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a specrt manifest (format={raw.get('format') if isinstance(raw, dict) else None!r}): "
                             "point at a folder written by `specrt build`, or rebuild the engines")
@@ -136,11 +146,13 @@ def load(directory: str | Path) -> Manifest:
             f"{path} has schema_version={raw.get('schema_version')}; this specrt ({__version__}) reads "
             f"schema_version={SCHEMA_VERSION}: rebuild the engines with this version")
     try:
+        _check_structure(raw)
         models = {role: ModelEntry(**{**m, "graphs": {g: GraphEntry(**e) for g, e in m["graphs"].items()}})
                   for role, m in raw["models"].items()}
         man = Manifest(**{**raw, "shapes": Shapes(**raw["shapes"]), "models": models})
-    except (KeyError, TypeError) as e:
-        raise ManifestError(f"{path} is missing or has unexpected fields ({e}); rebuild the engines") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ManifestError(f"{path} is missing or has unexpected fields ({type(e).__name__}: {e}); "
+                            "rebuild the engines") from None
     if "target" not in man.models:
         raise ManifestError(f"{path} describes no target model: rebuild the engines")
     sh = man.shapes
@@ -154,7 +166,73 @@ def load(directory: str | Path) -> Manifest:
             if g in window and e.tokens != window[g]:
                 raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "
                                     "(inconsistent manifest): rebuild the engines")
+        need = REQUIRED_GRAPHS[role if role == "target" else ("shared" if m.shares_cache_with else "own")]
+        missing = [g for g in need if g not in m.graphs]
+        if missing:
+            raise ManifestError(f"{path}: the {role} model has no {', '.join(missing)} graph (it needs "
+                                f"{', '.join(need)}): the manifest is damaged or incomplete; rebuild the engines")
+        _check_initializers(path, role, m)
     return man
+
+
+# graphs each model needs: the target always has all three (plain and speculative use
+# them); a draft that reads the target's cache only steps, a draft with its own prefills
+REQUIRED_GRAPHS = {"target": ("prefill", "decode", "verify"), "shared": ("decode",), "own": ("prefill", "decode")}
+_DICT_FIELDS = ("shapes", "models", "tokenizer", "device", "tools")
+_MODEL_DICT_FIELDS = ("dims", "graphs", "weights", "source", "kv")
+
+
+def _check_structure(raw: dict) -> None:
+    """Types the dataclasses cannot check: a hand-edited field of the wrong kind must be a
+    ManifestError here, not an AttributeError deep in the runtime."""
+    for name in _DICT_FIELDS:
+        if not isinstance(raw.get(name), dict):
+            raise TypeError(f"{name} must be an object, got {type(raw.get(name)).__name__}")
+    for role, m in raw["models"].items():
+        if role not in ("target", "draft") or not isinstance(m, dict):
+            raise TypeError(f"models.{role} must be an object named target or draft")
+        for name in _MODEL_DICT_FIELDS:
+            if not isinstance(m.get(name), dict):
+                raise TypeError(f"models.{role}.{name} must be an object, got {type(m.get(name)).__name__}")
+        for g, e in m["graphs"].items():
+            if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not isinstance(e.get("tokens"), int):
+                raise TypeError(f"models.{role}.graphs.{g} must have a string file and an integer tokens")
+        for key in ("layers", "kv_heads", "head_dim", "vocab"):
+            v = m["dims"].get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"models.{role}.dims.{key}={v!r} is not a positive integer")
+        w = m["weights"]
+        if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
+                and isinstance(w.get("initializers"), dict)):
+            raise TypeError(f"models.{role}.weights needs file, bytes, sha256 and initializers")
+        if m["kv"].get("update", "returned") not in KV_UPDATES:
+            raise ValueError(f"models.{role}.kv.update={m['kv'].get('update')!r}; expected one of {KV_UPDATES}")
+    tok = raw["tokenizer"]
+    if not (isinstance(tok.get("file"), str) and isinstance(tok.get("sha256"), str)):
+        raise TypeError("tokenizer needs a string file and sha256")
+    if tok.get("chat_template") is not None and not isinstance(tok["chat_template"], str):
+        raise TypeError("tokenizer.chat_template must be a string or null")
+    if not all(isinstance(i, int) for i in tok.get("eos_token_ids", [])):
+        raise TypeError("tokenizer.eos_token_ids must be integers")
+
+
+def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
+    """Each weights.bin entry [offset, length, dtype, shape] lies inside the file and its
+    length matches dtype x shape (memory-mapped sharing reads exactly these bytes)."""
+    import numpy as np
+    size = m.weights["bytes"]
+    for name, entry in m.weights["initializers"].items():
+        try:
+            offset, length, dtype, shape = entry
+            itemsize = np.dtype(dtype).itemsize
+            ok = (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and offset + length <= size
+                  and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and int(np.prod(shape, dtype=np.int64)) * itemsize == length)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ManifestError(f"{path}: {role} initializer {name!r} has an invalid entry {entry!r} for a "
+                                f"{size}-byte weights file (damaged manifest): rebuild the engines")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -165,17 +243,67 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def check_files(man: Manifest, directory: Path, *, hashes: bool = False) -> None:
-    """Every file the manifest names exists (and, with hashes=True, matches its sha256)."""
+def artifact_files(man: Manifest) -> list[tuple[str, str]]:
+    """(relative path, sha256) of every file the manifest names."""
     entries = [(m.weights["file"], m.weights["sha256"]) for m in man.models.values()]
     entries += [(g.file, g.sha256) for m in man.models.values() for g in m.graphs.values()]
     entries.append((man.tokenizer["file"], man.tokenizer["sha256"]))
-    for rel, digest in entries:
+    return entries
+
+
+def check_files(man: Manifest, directory: Path, *, hashes: bool = False) -> None:
+    """Every file the manifest names exists (and, with hashes=True, matches its sha256)."""
+    sizes = {m.weights["file"]: m.weights["bytes"] for m in man.models.values()}
+    for rel, digest in artifact_files(man):
         p = Path(directory) / rel
         if not p.is_file():
             raise GraphFileError(f"{p} is named by the manifest but missing: rebuild the engines")
+        if rel in sizes and p.stat().st_size != sizes[rel]:
+            raise GraphFileError(f"{p} has {p.stat().st_size} bytes, the manifest says {sizes[rel]}: the file is "
+                                 "truncated or replaced; rebuild the engines")
         if hashes and sha256_file(p) != digest:
             raise GraphFileError(f"{p} does not match the sha256 in the manifest (corrupt or replaced): rebuild the engines")
+
+
+VERIFY_MODES = ("full", "none")
+
+
+class HashCheck:
+    """sha256 of every artifact, computed in a background thread.
+
+    Hashing the default engines' ~770 MB takes ~0.6 s on one core; hashlib releases the
+    GIL, so it runs while ONNX Runtime builds its sessions. `result()` waits and raises
+    GraphFileError naming the first file that does not match (zeroed blocks, a graph
+    copied over another of the same size, an edited tokenizer).
+    """
+
+    def __init__(self, man: Manifest, directory: Path):
+        import threading
+        self.directory = Path(directory)
+        self.bad: list[str] = []
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(artifact_files(man),), name="specrt-verify",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, entries) -> None:
+        for rel, digest in entries:
+            try:
+                if sha256_file(self.directory / rel) != digest:
+                    self.bad.append(rel)
+            except OSError as e:
+                self.error = f"{self.directory / rel} cannot be read ({e.strerror})"
+                return
+
+    def result(self) -> None:
+        self._thread.join()
+        if self.error:
+            raise GraphFileError(f"{self.error}: check the engine folder, or rebuild the engines")
+        if self.bad:
+            paths = ", ".join(str(self.directory / b) for b in self.bad)
+            raise GraphFileError(f"{paths} {'does' if len(self.bad) == 1 else 'do'} not match the sha256 in the "
+                                 "manifest (damaged or replaced): rebuild the engines (`specrt build`, or "
+                                 "`make engines` for the default ones)")
 
 
 def this_device() -> dict:

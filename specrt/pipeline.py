@@ -19,14 +19,20 @@ log = logging.getLogger(__name__)
 MIN_INT8_AGREEMENT = 0.5
 
 
-def build(cfg: BuildConfig, *, progress: bool = True) -> Path:
-    out = Path(cfg.out)
-    tmp = out.with_name(out.name + ".partial")
+def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Path:
+    """Build into a fresh hidden sibling of `cfg.out` and swap it into place at the end
+    (see specrt/outdir.py): a failed or interrupted build leaves `cfg.out` as it was, and
+    nothing is deleted that specrt did not create (`force=True` replaces a folder that is
+    not a previous build)."""
+    from specrt import outdir
+    out = outdir.preflight(cfg.out, force=force)     # before any long work
+    tmp = outdir.make_partial(out)
     try:
-        return _build(cfg, out, tmp, progress)
+        _build(cfg, out, tmp, progress)
+        outdir.commit(tmp, out)
     finally:
-        if tmp.exists():           # a failed build leaves nothing behind; `out` is untouched
-            shutil.rmtree(tmp, ignore_errors=True)
+        outdir.discard(tmp)        # a failed build leaves nothing behind; `out` is untouched
+    return Path(cfg.out)
 
 
 def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
@@ -37,9 +43,6 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     from specrt.export import onnx_export, parity, sources
 
     shapes, kind = cfg.shapes, cfg.draft_kind
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
     bar = tqdm(total=n_graphs + 3, desc="build", unit="step", disable=not progress)
     t_start = time.perf_counter()
@@ -109,7 +112,6 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info)
     step("manifest written")
     bar.close()
-    ort_cpu.replace_dir(tmp, out)
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
     return out
 
@@ -183,7 +185,12 @@ def _prompt_ids(lm) -> list[list[int]]:
         text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) \
             if tok.chat_template else p
         ids = tok(text, add_special_tokens=not tok.chat_template)["input_ids"]
-        out.append([int(i) % lm.dims.vocab for i in ids])
+        bad = [int(i) for i in ids if not 0 <= int(i) < lm.dims.vocab]
+        if bad:
+            from specrt.errors import TokenizerMismatchError
+            raise TokenizerMismatchError(f"the tokenizer produced ids {bad[:3]} outside the model's vocabulary "
+                                         f"({lm.dims.vocab}): the tokenizer does not belong to this model")
+        out.append([int(i) for i in ids])
     return out
 
 

@@ -92,12 +92,12 @@ def test_verify_hashes_detects_a_modified_file_of_the_same_size(tiny_engines, tm
     data = bytearray((d / rel).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (d / rel).write_bytes(bytes(data))
-    msg = expect(GraphFileError, SpeculativeGenerator, d, verify_hashes=True)
+    msg = expect(GraphFileError, SpeculativeGenerator, d, verify="full")
     assert "sha256" in msg and rel.split("/")[-1] in msg and "rebuild" in msg
 
 
 def test_verify_hashes_accepts_an_intact_build(tiny_engines):
-    SpeculativeGenerator(tiny_engines, verify_hashes=True)
+    SpeculativeGenerator(tiny_engines, verify="full")
 
 
 # --------------------------------------------------------------------------- 6. manifest from another version

@@ -7,10 +7,14 @@
 
 Everything it knows comes from the manifest; it imports neither torch, transformers,
 nor the exporter. One instance runs one generation at a time (its buffers and caches
-are reused across calls); a service runs one instance per worker.
+are reused across calls): a second generation started while one is open, from another
+thread or by interleaving two streams, raises `ConcurrentUseError` at once instead of
+mixing their caches. A service runs one instance per worker.
 """
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +23,16 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specrt import manifest as mf
-from specrt.errors import ContextLengthError, SamplingParamsError, TokenizerMismatchError
+from specrt.errors import (
+    BackendError,
+    ConcurrentUseError,
+    ConfigError,
+    ContextLengthError,
+    GraphFileError,
+    PromptError,
+    SamplingParamsError,
+    TokenizerMismatchError,
+)
 from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.ort_backend import MEMORY_MODES, OrtModel
@@ -49,17 +62,24 @@ class Completion:
 
 class SpeculativeGenerator:
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
-                 memory: str = "fast", methods: Sequence[str] | None = None, verify_hashes: bool = False):
+                 memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full"):
         """Load the engines in `engine_dir` (a folder written by `specrt build`).
 
         methods: which decoding methods to make ready (default: all the build supports);
         a service that only speculates passes ("speculative",) and never loads the
         target's one-token graph (one session, one packed copy of the weights less).
-        memory: "fast" or "shared", see ort_backend."""
+        memory: "fast" or "shared", see ort_backend.
+        verify: "full" (default) checks the sha256 of every file against the manifest while
+        the sessions load (~0.6 s of one core for the default engines, mostly hidden);
+        "none" checks only that the files exist and the weights have their size."""
+        if verify not in mf.VERIFY_MODES:
+            raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ConfigError(f"threads={threads!r} must be an integer >= 1 (ONNX Runtime's intra-op threads)")
         self.root = Path(engine_dir)
         self.manifest = man = mf.load(self.root)
         mf.check_device(man)
-        mf.check_files(man, self.root, hashes=verify_hashes)
+        mf.check_files(man, self.root)
         self.shapes = man.shapes
         if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
             raise SamplingParamsError(f"k={k!r} must be an integer in [1, {man.shapes.k}]")
@@ -78,6 +98,26 @@ class SpeculativeGenerator:
         if "speculative" in self.methods and man.draft is None:
             raise SamplingParamsError("these engines have no draft model: pass methods=('plain',) or rebuild "
                                       "with a draft (--draft int8)")
+        if man.draft is not None and "speculative" in self.methods:
+            _check_same_vocab(man)
+        check = mf.HashCheck(man, self.root) if verify == "full" else None
+        try:
+            self._load(man, threads, memory)
+        except (GraphFileError, BackendError):
+            if check is not None:   # a damaged file explains a load failure better than ORT's message
+                try:
+                    check.result()
+                except GraphFileError as damaged:
+                    raise damaged from None
+            raise
+        if check is not None:
+            check.result()
+        self.vocab = int(man.target.dims["vocab"])
+        self.ws = Workspace(self.k, self.vocab)
+        self.last_metrics: Metrics | None = None
+        self._busy = threading.Lock()   # held by the one open generation
+
+    def _load(self, man: mf.Manifest, threads: int, memory: str) -> None:
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
         target_graphs = ("prefill",) + (("decode",) if "plain" in self.methods else ()) \
             + (("verify",) if "speculative" in self.methods else ())
@@ -85,20 +125,26 @@ class SpeculativeGenerator:
                                graphs=target_graphs)
         self.draft = None
         if man.draft is not None and "speculative" in self.methods:
-            _check_same_vocab(man)
             shared = man.draft.shares_cache_with == "target"
             self.draft = OrtModel(self.root, man.draft, man.shapes, threads=threads, memory=memory,
                                   cache=self.target.cache if shared else None,
                                   graphs=("decode",) if shared else ("prefill", "decode"))
-        self.vocab = int(man.target.dims["vocab"])
-        self.ws = Workspace(self.k, self.vocab)
-        self.last_metrics: Metrics | None = None
 
     # --- token level ------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False,
                       system: str | None = None) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise PromptError("the prompt is bytes: decode it to str first (e.g. prompt.decode('utf-8')), or "
+                              "pass a list of token ids")
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return _token_ids(prompt)
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptError(f"the prompt is not valid UTF-8 text (undecodable byte at position {e.start}, "
+                              "e.g. from a terminal in another encoding): pass UTF-8 text") from None
+        if system is not None and not isinstance(system, str):
+            raise PromptError(f"system must be a string, got {type(system).__name__}")
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
@@ -112,10 +158,15 @@ class SpeculativeGenerator:
         if method not in METHODS:
             raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
         if method not in self.methods:
+            if method == "speculative" and self.manifest.draft is None:
+                raise SamplingParamsError("these engines were built without a draft model (--draft none): use "
+                                          "method='plain' (`specrt generate --plain`), or rebuild with a draft "
+                                          "(`specrt build --draft int8`)")
             raise SamplingParamsError(f"method={method!r} was not loaded: create the generator with "
                                       f"methods including {method!r} (it has {self.methods})")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SamplingParamsError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        prompt_ids = _token_ids(prompt_ids)
         P, C = len(prompt_ids), self.shapes.max_context
         if P == 0:
             raise ContextLengthError("the prompt is empty: give at least one token")
@@ -129,6 +180,19 @@ class SpeculativeGenerator:
         return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method)
 
     def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method) -> Iterator[Emitted]:
+        if not self._busy.acquire(blocking=False):
+            gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
+            if not self._busy.acquire(blocking=False):
+                raise ConcurrentUseError(
+                    "this SpeculativeGenerator is already generating (another stream of it is open, or another "
+                    "thread is using it); its caches hold one generation at a time: finish or close() the other "
+                    "stream first, or give each thread or worker its own SpeculativeGenerator")
+        try:
+            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method)
+        finally:
+            self._busy.release()
+
+    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method) -> Iterator[Emitted]:
         P = len(prompt_ids)
         m = self.last_metrics = Metrics(method=method, k=self.k if method == "speculative" else 0, prompt_tokens=P)
         rng = np.random.default_rng(sampling.seed)
@@ -159,7 +223,7 @@ class SpeculativeGenerator:
         ids = self.encode_prompt(prompt, chat=chat, system=system)
         eos = self.tokenizer.eos_token_ids
         dec = IncrementalDecoder(self.tokenizer)
-        stop = [s for s in stop if s]
+        stop = _stop_strings(stop)
         held = ""   # text not yet released because it may be the start of a stop string
         gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method)
         with _closing(gen):
@@ -192,6 +256,39 @@ class SpeculativeGenerator:
                    "--max-context for longer outputs")
         return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                           m.finish_reason, m, m.prompt_tokens, msg)
+
+
+def _token_ids(prompt) -> list[int]:
+    """A sequence of token ids as plain ints; anything else is a PromptError."""
+    if isinstance(prompt, (str, bytes, bytearray, memoryview)):
+        raise PromptError(f"expected a sequence of token ids, got {type(prompt).__name__}")
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise PromptError(f"the prompt must be text or a sequence of token ids, got {type(prompt).__name__}") from None
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise PromptError(f"token ids must be integers, got {t!r} ({type(t).__name__}): pass text, or "
+                              "gen.tokenizer.encode(text)")
+        out.append(int(t))
+    return out
+
+
+def _stop_strings(stop) -> list[str]:
+    """`stop` is one string or a sequence of strings (a bare string is ONE stop, not its characters)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        stops = list(stop)
+    except TypeError:
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
+    for s in stops:
+        if not isinstance(s, str):
+            raise SamplingParamsError(f"stop strings must be str, got {s!r} ({type(s).__name__})")
+    return [s for s in stops if s]
 
 
 def _partial_stop_suffix(text: str, stops: list[str]) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from specrt.errors import GraphFileError
+from specrt.errors import BackendError, ConfigError, GraphFileError
 from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.kv import KVCache
 
@@ -36,15 +36,26 @@ _THREADS_CONFIGURED: int | None = None
 def configure_threads(threads: int) -> int | None:
     """Create ORT's global thread pool once per process. Returns the pool size in force,
     or None when another component created the pools first (sessions then use their own
-    pools with spinning disabled)."""
+    pools with spinning disabled).
+
+    The pool is process-wide and ONNX Runtime cannot resize it: asking for another size
+    later raises ConfigError instead of silently running on the first caller's pool."""
     global _THREADS_CONFIGURED
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ConfigError(f"threads={threads!r} must be an integer >= 1")
     if _THREADS_CONFIGURED is None:
         try:
             ort.set_global_thread_pool_sizes(threads, 1)
             _THREADS_CONFIGURED = threads
         except Exception as e:  # ORT raises its own Fail type once pools exist
-            log.warning("global ORT thread pool already exists (%s); using per-session pools", e)
+            log.warning("ONNX Runtime's global thread pool was created by another component (%s); specrt "
+                        "sessions use their own pools of %d threads with spinning disabled", e, threads)
             _THREADS_CONFIGURED = -1
+    elif _THREADS_CONFIGURED not in (-1, threads):
+        raise ConfigError(
+            f"threads={threads}: this process already runs ONNX Runtime's global thread pool with "
+            f"{_THREADS_CONFIGURED} threads (set by the first specrt session), and it cannot be resized: pass "
+            f"threads={_THREADS_CONFIGURED}, or use a separate process for another thread count")
     return None if _THREADS_CONFIGURED == -1 else _THREADS_CONFIGURED
 
 
@@ -108,13 +119,20 @@ class GraphRunner:
         so = session_options(threads, memory)
         try:
             proto = onnx.load(str(path), load_external_data=False)
-            if weights is not None:
-                weights.add_to(so, {i.name for i in proto.graph.initializer})
-            del proto
+        except Exception as e:  # not a protobuf at all: the file is damaged
+            raise GraphFileError(f"graph file {path} is not a readable ONNX file ({type(e).__name__}: {e}); it is "
+                                 "corrupt: rebuild the engines") from None
+        if weights is not None:
+            weights.add_to(so, {i.name for i in proto.graph.initializer})
+        del proto
+        try:
             self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        except Exception as e:  # corrupt protobuf or a graph ORT rejects
-            raise GraphFileError(f"graph file {path} could not be loaded ({type(e).__name__}: {e}); "
-                                 "it is corrupt or from an incompatible build: rebuild the engines") from None
+        except Exception as e:  # a graph ORT rejects: version, memory, or a damaged file (hash-checked by the caller)
+            raise BackendError(
+                f"ONNX Runtime {ort.__version__} could not load {path} ({type(e).__name__}: "
+                f"{str(e).strip()[:500]}). If the engine files are intact, ONNX Runtime rejected the graph: install "
+                f"the onnxruntime version the engines were built with (`specrt inspect` lists it), free memory, "
+                "or rebuild the engines with this installation") from e
         d, io = entry.dims, entry.io
         self.tokens = tokens
         self.in_place = entry.in_place

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from specrt.errors import GraphFileError, SpecrtError
+from specrt.errors import GraphFileError, ManifestError, PromptError, SpecrtError
 
 
 class Tokenizer:
@@ -25,6 +25,23 @@ class Tokenizer:
         self.eos_token = info.get("eos_token")
         self.chat_template = info.get("chat_template")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._template = self._compile(self.chat_template) if self.chat_template else None
+
+    @staticmethod
+    def _compile(source: str):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):  # templates call this on malformed conversations
+            raise PromptError(f"chat template: {msg}")
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(source)
+        except TemplateError as e:
+            raise ManifestError(f"the chat template in the manifest is not a valid Jinja template ({e}): the "
+                                "manifest is damaged; rebuild the engines") from None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -33,17 +50,18 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise SpecrtError("this model's tokenizer has no chat template: pass a plain prompt (without --chat)")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        def raise_exception(msg):  # templates call this on malformed conversations
-            raise SpecrtError(f"chat template: {msg}")
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if self._template is None:
+            raise SpecrtError("this model's tokenizer has no chat template: pass a plain prompt (`specrt generate "
+                              "--raw`, or chat=False)")
+        from jinja2 import TemplateError
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except SpecrtError:
+            raise
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise PromptError(f"the chat template could not render these messages ({type(e).__name__}: {e}); "
+                              "pass a plain prompt (chat=False / --raw)") from None
 
 
 class IncrementalDecoder:

@@ -1,0 +1,131 @@
+"""Where `specrt build` writes: checked before any long work, replaced atomically, and
+nothing deleted that the build did not create.
+
+    preflight(out)    refuse a file, the working folder or its ancestors, a mount point, a
+                      folder holding anything but a previous specrt build (unless --force)
+    make_partial(out) a fresh hidden sibling `.NAME.partial-XXXX` with a marker file: the
+                      build writes there; a unique name never collides with the user's folders
+    commit(tmp, out)  swap it into place (the previous build moves to a unique
+                      `.NAME.old-XXXX` and is deleted only after the swap succeeded)
+
+A build killed outright (SIGKILL, power loss) leaves its marked `.NAME.partial-XXXX`
+folder behind; the next build of the same NAME removes it, since the marker says
+specrt made it and its process is gone.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from specrt import manifest as mf
+from specrt.errors import BuildOutputError
+
+MARKER = ".specrt-partial"   # inside every folder a build creates; holds the builder's pid
+
+
+def preflight(out: str | Path, *, force: bool = False) -> Path:
+    """Check `out` before the build starts; returns it as an absolute path."""
+    if str(out).strip() == "":
+        raise BuildOutputError("--out is empty: name a new folder, e.g. --out artifacts/mine")
+    path = Path(os.path.abspath(Path(out).expanduser()))
+    cwd = Path.cwd()
+    if path == cwd or path in cwd.parents or path.parent == path:
+        raise BuildOutputError(f"--out {out} is the current folder or one of its parents; the build replaces its "
+                               "output folder as a whole: name a new subfolder, e.g. --out artifacts/mine")
+    if path.exists() and not path.is_dir():
+        raise BuildOutputError(f"--out {out} is an existing file, not a folder: choose another --out "
+                               "(the build writes a folder)")
+    if path.is_dir():
+        if os.path.ismount(path):
+            raise BuildOutputError(f"--out {out} is a mount point; the build swaps its output folder in with a "
+                                   f"rename, which a mount point does not allow: use a subfolder, e.g. --out "
+                                   f"{Path(out) / 'engines'}")
+        foreign = foreign_entries(path)
+        if foreign and not force:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            kind = "is not a specrt engine folder" if not (path / mf.FILENAME).is_file() else \
+                "holds files that specrt did not write"
+            raise BuildOutputError(f"--out {out} {kind} ({shown}); the build would replace it: choose a new "
+                                   "folder, move those files away, or pass --force to replace the folder and "
+                                   "everything in it")
+    return path
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """Entries of `folder` a previous specrt build did not write (all of them when it holds
+    no readable specrt manifest)."""
+    entries = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    if not entries:
+        return []
+    try:
+        man = mf.load(folder)
+    except mf.ManifestError:
+        return entries
+    known = {mf.FILENAME} | {rel for rel, _ in mf.artifact_files(man)}
+    return [e for e in entries if e not in known]
+
+
+def make_partial(out: Path) -> Path:
+    """Create the hidden folder the build writes into, next to `out` (same file system, so
+    the final move is a rename). Fails here, before the long work, if `out` is unwritable."""
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+        (tmp / MARKER).write_text(str(os.getpid()))
+    except OSError as e:
+        raise BuildOutputError(f"cannot write a build next to {out} ({e.strerror or e}): choose an --out in a "
+                               "writable folder") from None
+    return tmp
+
+
+def commit(tmp: Path, out: Path) -> None:
+    """Move the finished build `tmp` to `out`; the previous build survives a failure."""
+    (tmp / MARKER).unlink(missing_ok=True)
+    old = None
+    try:
+        if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+            out.rmdir()          # an empty folder (e.g. made by the user for the build) holds nothing to keep
+        if out.exists() or out.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old)   # onto the empty unique folder: atomic, never someone else's name
+        os.replace(tmp, out)
+    except OSError as e:
+        if old is not None and not out.exists():
+            os.replace(old, out)
+            old = None
+        raise BuildOutputError(f"could not move the finished build into {out} ({e.strerror or e}); the previous "
+                               "contents are unchanged: check the folder's permissions, or choose another --out") \
+            from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def discard(tmp: Path) -> None:
+    """Remove a build folder this process created (only if it carries the marker)."""
+    if (tmp / MARKER).is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_partials(out: Path) -> None:
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        marker = p / MARKER
+        try:
+            pid = int(marker.read_text().strip())
+        except (OSError, ValueError):
+            continue               # not ours: leave it alone
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
