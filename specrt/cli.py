@@ -123,7 +123,7 @@ def cmd_inspect(a) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="specrt", description=__doc__.splitlines()[0])
+    p = _Parser(prog="specrt", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -200,6 +200,14 @@ def main(argv=None) -> int:
         print(f"specrt: error: unexpected {type(e).__name__}: {e} (run with -v for the traceback, and please "
               "report it)", file=sys.stderr)
         return 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one `specrt: error:` line (exit 2), like every other error."""
+
+    def error(self, message):
+        self.exit(2, f"specrt: error: {self.prog.removeprefix('specrt').strip() or 'usage'}: {message} "
+                     f"(see `{self.prog} --help`)\n")
 
 
 def _positive_int(text: str) -> int:

@@ -388,7 +388,7 @@ def test_bench_and_generate_refuse_counts_below_one(tiny_engines, capsys, monkey
         with pytest.raises(SystemExit) as e:
             cli.main([*cmd, flag, "0"])
         assert e.value.code == 2
-        assert ">= 1" in capsys.readouterr().err
+        _one_error_line(capsys, flag, ">= 1")
 
 
 def test_cli_generate_with_a_non_utf8_prompt_is_one_error_line(tiny_engines, capsys):
