@@ -65,15 +65,22 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streams text for a growing id list; holds back an incomplete UTF-8 sequence."""
+    """Streams text for a growing id list; holds back an incomplete UTF-8 sequence.
+
+    Decodes only a window (vLLM's detokenize_incrementally): `ids[prefix:read]` is text
+    already released, decoded again only as context so that merges and leading spaces
+    come out as in a full decode; each push costs O(window), not O(all ids so far).
+    """
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tok, self.ids, self.text = tokenizer, [], ""
+        self.tok, self.ids = tokenizer, []
+        self.prefix = self.read = 0      # window [prefix, read) = context already released
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        after = self.tok.decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""                    # nothing new yet, or half a UTF-8 character
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
