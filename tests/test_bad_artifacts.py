@@ -201,7 +201,7 @@ def test_manifest_whose_shapes_do_not_match_its_graphs_raises_manifest_error(
     ("backend", "tensorrt", "rebuild with `specrt build` on this machine"),
     ("machine", "aarch64-not-this-one", "rebuild the engines on this machine"),
     ("os", "Windows-not-this-one", "rebuild the engines on this machine"),
-    ("kind", "cuda", "rebuild the engines on this machine"),
+    ("kind", "cuda", "rebuild with `specrt build` on this machine"),
 ])
 def test_manifest_built_for_another_device_raises_manifest_error(tiny_engines, tmp_path, key, value, hint):
     d = copy_engines(tiny_engines, tmp_path)
@@ -210,3 +210,18 @@ def test_manifest_built_for_another_device_raises_manifest_error(tiny_engines, t
     assert repr(value) in msg and hint in msg
 
 
+
+
+def test_backends_are_chosen_from_the_manifest_through_the_registry(tiny_engines):
+    from specrt import manifest as mf
+    from specrt.runtime.backends import backend_for, registered
+    assert [b.name for b in registered()] == ["ort-cpu"]
+    assert backend_for(mf.load(tiny_engines)).name == "ort-cpu"
+
+
+@pytest.mark.parametrize("field, value", [("kv", "float16"), ("logits", "float16"), ("kv", "bfloat99")])
+def test_manifest_dtypes_are_checked_against_the_graphs(tiny_engines, tmp_path, field, value):
+    d = copy_engines(tiny_engines, tmp_path)
+    edit_manifest(d, lambda m: m["models"]["target"]["io"]["dtypes"].__setitem__(field, value))
+    msg = expect(ManifestError if value == "bfloat99" else GraphFileError, SpeculativeGenerator, d)
+    assert value in msg and "rebuild" in msg

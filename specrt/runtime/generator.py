@@ -35,7 +35,7 @@ from specrt.errors import (
 )
 from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
 from specrt.runtime.metrics import Metrics
-from specrt.runtime.ort_backend import MEMORY_MODES, OrtModel
+from specrt.runtime.backends import backend_for
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -78,7 +78,8 @@ class SpeculativeGenerator:
             raise ConfigError(f"threads={threads!r} must be an integer >= 1 (ONNX Runtime's intra-op threads)")
         self.root = Path(engine_dir)
         self.manifest = man = mf.load(self.root)
-        mf.check_device(man)
+        self.backend = backend_for(man)    # the registered backend for man.device, or a ManifestError
+        self.backend.check_device(man)
         mf.check_files(man, self.root)
         self.shapes = man.shapes
         if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
@@ -90,8 +91,8 @@ class SpeculativeGenerator:
             raise SamplingParamsError(
                 f"k={k} is outside [1, {man.shapes.k}]: the verify graph was built for k={man.shapes.k}; "
                 f"rebuild with --k {k} for a larger window")
-        if memory not in MEMORY_MODES:
-            raise SamplingParamsError(f"memory={memory!r}; choose one of {MEMORY_MODES}")
+        if memory not in self.backend.memory_modes:
+            raise SamplingParamsError(f"memory={memory!r}; choose one of {self.backend.memory_modes}")
         self.methods = tuple(methods) if methods is not None else (METHODS if man.draft else ("plain",))
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
@@ -121,12 +122,12 @@ class SpeculativeGenerator:
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
         target_graphs = ("prefill",) + (("decode",) if "plain" in self.methods else ()) \
             + (("verify",) if "speculative" in self.methods else ())
-        self.target = OrtModel(self.root, man.target, man.shapes, threads=threads, memory=memory,
+        self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
                                graphs=target_graphs)
         self.draft = None
         if man.draft is not None and "speculative" in self.methods:
             shared = man.draft.shares_cache_with == "target"
-            self.draft = OrtModel(self.root, man.draft, man.shapes, threads=threads, memory=memory,
+            self.draft = self.backend.open_model(self.root, man.draft, man.shapes, threads=threads, memory=memory,
                                   cache=self.target.cache if shared else None,
                                   graphs=("decode",) if shared else ("prefill", "decode"))
 
@@ -198,15 +199,15 @@ class SpeculativeGenerator:
         rng = np.random.default_rng(sampling.seed)
         t_start = time.perf_counter()
         try:
-            first = prefill(self.target, self.target.entry.graphs["prefill"].tokens, prompt_ids)
-            if method == "speculative" and self.draft.cache is not self.target.cache:
-                prefill(self.draft, self.draft.entry.graphs["prefill"].tokens, prompt_ids)
+            first = prefill(self.target, self.manifest.target.graphs["prefill"].tokens, prompt_ids)
+            if method == "speculative" and not self.draft.shares_cache:
+                prefill(self.draft, self.manifest.draft.graphs["prefill"].tokens, prompt_ids)
             m.time_prefill = time.perf_counter() - t_start
             if method == "plain":
                 inner = plain_decode(self.target, first, P, budget, sampling, rng, self.ws, m)
             else:
                 inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
-                                           draft_start=P, shared_cache=self.draft.cache is self.target.cache,
+                                           draft_start=P, shared_cache=self.draft.shares_cache,
                                            seq=list(prompt_ids))
             with _closing(inner):
                 yield from inner

@@ -14,6 +14,7 @@ import numpy as np
 class KVCache:
     def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
         self.capacity = capacity
+        self.dtype = np.dtype(dtype)
         shape = (1, kv_heads, capacity, head_dim)
         self.keys = [np.zeros(shape, dtype) for _ in range(layers)]
         self.values = [np.zeros(shape, dtype) for _ in range(layers)]

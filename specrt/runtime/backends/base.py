@@ -1,0 +1,78 @@
+"""The seam between the loop and a backend: what the loop needs, typed, and a registry
+that picks the backend a manifest was built for.
+
+    manifest.device {"backend": "onnxruntime", "kind": "cpu", ...}
+        └─ backend_for(manifest) ─► Backend("ort-cpu")
+              ├─ check_device(manifest)        refuses engines built elsewhere, says what to rebuild
+              └─ open_model(root, entry, shapes, cache=..., graphs=..., ...) ─► ModelRunner
+                    .step(graph, tokens, start) -> logits [n, V] (host, reused buffer)
+                    .cache: Cache (.length, .capacity, .rewind_to(n))
+
+The loop sees only ModelRunner and Cache. A device backend (ONNX Runtime CUDA,
+TensorRT) keeps its KV on the device and implements the same two protocols; a
+draft that reads its target's cache says so with `shares_cache`, never by identity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from specrt.errors import ManifestError
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """A preallocated KV cache: rows [0, length) are valid; rewinding moves an integer."""
+    length: int
+    capacity: int
+
+    def rewind_to(self, length: int) -> None: ...
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """One model's static-shape graphs over one KV cache.
+
+    step: run `graph` on `tokens` (n <= the graph's T) at positions start..start+n-1,
+    write their K/V into the cache, return logits [n, V] float32 on the host. The
+    returned array is a reused buffer: read it before the next step."""
+    cache: Cache
+    shares_cache: bool
+
+    def step(self, graph: str, tokens: Sequence[int], start: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str                                   # what a user types: "ort-cpu"
+    device_backend: str                         # manifest device.backend it serves
+    device_kind: str                            # manifest device.kind it serves
+    memory_modes: tuple[str, ...]
+    open_model: Callable[..., ModelRunner]
+    check_device: Callable[[object], None]
+
+
+_REGISTRY: dict[tuple[str, str], Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    _REGISTRY[(backend.device_backend, backend.device_kind)] = backend
+    return backend
+
+
+def registered() -> list[Backend]:
+    return list(_REGISTRY.values())
+
+
+def backend_for(manifest) -> Backend:
+    """The backend that runs engines built for manifest.device, or a ManifestError that says
+    which backends this installation has."""
+    dev = manifest.device
+    key = (dev.get("backend"), dev.get("kind"))
+    if key not in _REGISTRY:
+        have = ", ".join(f"{b.name} ({b.device_backend} on {b.device_kind})" for b in _REGISTRY.values())
+        raise ManifestError(f"engines were built for backend {key[0]!r} on {key[1]!r}; this runtime has {have}: "
+                            "rebuild with `specrt build` on this machine, or install the backend they need")
+    return _REGISTRY[key]
