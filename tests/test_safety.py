@@ -428,3 +428,47 @@ def test_preset_model_is_found_from_another_folder_or_named_with_what_to_do(tmp_
     checkout_file = "specrt/__init__.py"    # any file of the checkout, relative to it
     assert Path(cli._preset_model(checkout_file)).is_file()
     assert os.getcwd() == str(tmp_path)
+
+
+# --------------------------------------------------------------------------- errors keep their cause
+
+
+def test_onnxruntime_rejecting_an_intact_graph_is_a_backend_error_with_its_cause(tiny_engines, monkeypatch):
+    import onnxruntime as ort
+
+    from specrt.errors import BackendError
+
+    def reject(*a, **k):
+        raise RuntimeError("Failed to allocate memory for requested buffer of size 123")
+    monkeypatch.setattr(ort, "InferenceSession", reject)
+    msg = expect(BackendError, SpeculativeGenerator, tiny_engines)
+    assert "allocate memory" in msg and "intact" in msg and "corrupt" not in msg
+    with pytest.raises(BackendError) as e:
+        SpeculativeGenerator(tiny_engines)
+    assert isinstance(e.value.__cause__, RuntimeError)      # kept for the operator's traceback
+
+
+def test_a_damaged_graph_is_named_damaged_even_when_onnxruntime_fails_first(tiny_engines, tmp_path):
+    d = copy_engines(tiny_engines, tmp_path)
+    data = bytearray((d / "target" / "prefill.onnx").read_bytes())
+    data[len(data) // 3: len(data) // 3 + 64] = b"\x07" * 64
+    (d / "target" / "prefill.onnx").write_bytes(bytes(data))
+    assert "prefill.onnx" in expect(GraphFileError, SpeculativeGenerator, d)
+
+
+def test_when_another_component_owns_the_global_pool_sessions_fall_back_and_still_generate(tiny_engines):
+    code = f"""
+import logging, onnxruntime as ort
+logging.basicConfig(level=logging.WARNING)
+def taken(*a, **k):
+    raise RuntimeError("Global thread pools have already been created")
+ort.set_global_thread_pool_sizes = taken
+from specrt.runtime import SpeculativeGenerator
+from specrt.runtime.backends import ort_cpu
+g = SpeculativeGenerator({str(tiny_engines)!r})
+assert ort_cpu._THREADS_CONFIGURED == -1
+print("tokens", len(g.generate([5, 6, 7], max_new_tokens=5).tokens))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tokens 5" in r.stdout and "own pools" in r.stderr
