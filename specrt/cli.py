@@ -114,6 +114,15 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_profile(a) -> int:
+    from specrt.profile import run_profile
+    if not a.plain:
+        _no_draft_hint(a.engines)
+    run_profile(a.engines, a.out, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
+                method="plain" if a.plain else "speculative", threads=a.threads, top=a.top)
+    return 0
+
+
 def cmd_inspect(a) -> int:
     from specrt import manifest as mf
     from specrt.inspect import describe
@@ -174,6 +183,16 @@ def main(argv=None) -> int:
     be.add_argument("--json", metavar="FILE", help="write the report as JSON")
     sampling_args(be)
     be.set_defaults(fn=cmd_bench)
+
+    pr = sub.add_parser("profile", help="ONNX Runtime's per-operator profile of one generation: table + trace")
+    pr.add_argument("engines")
+    pr.add_argument("--out", default="profile", help="folder for trace.json and ops.csv (default: ./profile)")
+    pr.add_argument("--prompt", default="Explain why the sky is blue.")
+    pr.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    pr.add_argument("--plain", action="store_true", help="profile plain decoding instead of speculative")
+    pr.add_argument("--threads", type=_positive_int, default=2)
+    pr.add_argument("--top", type=_positive_int, default=8, help="operator types shown per graph")
+    pr.set_defaults(fn=cmd_profile)
 
     i = sub.add_parser("inspect", help="print a manifest readably")
     i.add_argument("engines")

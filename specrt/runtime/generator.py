@@ -62,7 +62,8 @@ class Completion:
 
 class SpeculativeGenerator:
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
-                 memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full"):
+                 memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full",
+                 profile_dir: str | Path | None = None):
         """Load the engines in `engine_dir` (a folder written by `specrt build`).
 
         methods: which decoding methods to make ready (default: all the build supports);
@@ -71,7 +72,9 @@ class SpeculativeGenerator:
         memory: "fast" or "shared", see ort_backend.
         verify: "full" (default) checks the sha256 of every file against the manifest while
         the sessions load (~0.6 s of one core for the default engines, mostly hidden);
-        "none" checks only that the files exist and the weights have their size."""
+        "none" checks only that the files exist and the weights have their size.
+        profile_dir: record ONNX Runtime's per-operator profile into this folder (slows every
+        step; `specrt profile` uses it; end it with `end_profiling()`)."""
         if verify not in mf.VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -103,7 +106,7 @@ class SpeculativeGenerator:
             _check_same_vocab(man)
         check = mf.HashCheck(man, self.root) if verify == "full" else None
         try:
-            self._load(man, threads, memory)
+            self._load(man, threads, memory, profile_dir)
         except (GraphFileError, BackendError):
             if check is not None:   # a damaged file explains a load failure better than ORT's message
                 try:
@@ -118,18 +121,27 @@ class SpeculativeGenerator:
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
 
-    def _load(self, man: mf.Manifest, threads: int, memory: str) -> None:
+    def _load(self, man: mf.Manifest, threads: int, memory: str, profile_dir) -> None:
+        extra = {"profile_dir": Path(profile_dir)} if profile_dir else {}
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
         target_graphs = ("prefill",) + (("decode",) if "plain" in self.methods else ()) \
             + (("verify",) if "speculative" in self.methods else ())
         self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
-                               graphs=target_graphs)
+                               graphs=target_graphs, **extra)
         self.draft = None
         if man.draft is not None and "speculative" in self.methods:
             shared = man.draft.shares_cache_with == "target"
             self.draft = self.backend.open_model(self.root, man.draft, man.shapes, threads=threads, memory=memory,
                                   cache=self.target.cache if shared else None,
-                                  graphs=("decode",) if shared else ("prefill", "decode"))
+                                  graphs=("decode",) if shared else ("prefill", "decode"), **extra)
+
+    def end_profiling(self) -> dict[str, str]:
+        """Stop profiling (see profile_dir); "role/graph" -> the trace file ONNX Runtime wrote."""
+        out = {}
+        for role, model in (("target", self.target), ("draft", self.draft)):
+            if model is not None:
+                out.update({f"{role}/{g}": f for g, f in model.end_profiling().items()})
+        return out
 
     # --- token level ------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False,

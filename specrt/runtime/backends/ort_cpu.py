@@ -122,10 +122,13 @@ class GraphRunner:
     """
 
     def __init__(self, path: Path, tokens: int, entry: ModelEntry, cache: KVCache,
-                 weights: SharedWeights | None, threads: int, memory: str):
+                 weights: SharedWeights | None, threads: int, memory: str, profile_prefix: str | None = None):
         if not path.is_file():
             raise GraphFileError(f"graph file {path} is missing: rebuild the engines")
         so = session_options(threads, memory)
+        if profile_prefix:   # ONNX Runtime's per-node profile (Chrome trace JSON) on end_profiling()
+            so.enable_profiling = True
+            so.profile_file_prefix = profile_prefix
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as e:  # not a protobuf at all: the file is damaged
@@ -227,7 +230,10 @@ class OrtModel:
     """
 
     def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, cache: KVCache | None = None,
-                 graphs: tuple[str, ...] | None = None, threads: int = 2, memory: str = "fast"):
+                 graphs: tuple[str, ...] | None = None, threads: int = 2, memory: str = "fast",
+                 profile_dir: Path | None = None):
+        """profile_dir: record ONNX Runtime's per-operator profile of every graph there
+        (costs time on every step: for `specrt profile`, never for serving)."""
         d = entry.dims
         self.entry = entry
         self.shares_cache = cache is not None      # steps write into another model's cache
@@ -240,8 +246,13 @@ class OrtModel:
         modes = {g: "fast" if g == "verify" or len(entry.graphs) == 1 else memory for g in names}
         self.weights = SharedWeights(weights_path, entry) if "shared" in modes.values() else None
         self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
-                                      self.weights if modes[g] == "shared" else None, threads, modes[g])
+                                      self.weights if modes[g] == "shared" else None, threads, modes[g],
+                                      str(Path(profile_dir) / f"{entry.role}-{g}") if profile_dir else None)
                        for g in names}
+
+    def end_profiling(self) -> dict[str, str]:
+        """Stop profiling; graph -> the Chrome-trace JSON file ONNX Runtime wrote."""
+        return {g: r.session.end_profiling() for g, r in self.graphs.items()}
 
     def step(self, graph: str, tokens, start: int) -> np.ndarray:
         r = self.graphs[graph]
