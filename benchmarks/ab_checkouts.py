@@ -1,0 +1,90 @@
+"""A/B: the same engines driven by two checkouts of specrt, interleaved in one run.
+
+    python benchmarks/ab_checkouts.py OLD_CHECKOUT NEW_CHECKOUT ENGINES [--prompts 8 --max-new-tokens 128]
+
+Each checkout runs in its own long-lived worker process (PYTHONPATH points at it; load
+time excluded); prompts alternate A,B / B,A so drift on a shared machine hits both.
+Prints tok/s (decode, after prefill) per method and checkout, their ratio, and whether
+the two produced identical tokens. Used to show a refactor changed neither speed nor
+output (e.g. `git archive <rev> | tar -x -C /tmp/old`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = r"""
+import json, sys, time
+import specrt
+from specrt.runtime import SpeculativeGenerator
+gen = SpeculativeGenerator(sys.argv[1])
+print(json.dumps({"ready": specrt.__file__}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    ids = gen.encode_prompt(req["prompt"], chat=True)
+    toks = [e.token for e in gen.tokens(ids, max_new_tokens=req["n"], method=req["method"])]
+    m = gen.last_metrics
+    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill}), flush=True)
+"""
+
+
+class Worker:
+    def __init__(self, checkout: Path, engines: str):
+        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        self.p = subprocess.Popen([sys.executable, "-c", WORKER, engines], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
+        ready = json.loads(self.p.stdout.readline())
+        if not ready["ready"].startswith(str(checkout)):
+            raise SystemExit(f"worker imported {ready['ready']}, not the checkout {checkout}")
+
+    def run(self, prompt: str, n: int, method: str) -> dict:
+        self.p.stdin.write(json.dumps({"prompt": prompt, "n": n, "method": method}) + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(30)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("engines")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(a.new))
+    from specrt.prompts import PROMPTS
+    engines = str(Path(a.engines).resolve())
+    workers = {"old": Worker(a.old.resolve(), engines), "new": Worker(a.new.resolve(), engines)}
+    texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
+    for w in workers.values():                       # warm-up
+        w.run(texts[0], 8, "plain"), w.run(texts[0], 8, "speculative")
+    tot = {(c, m): [0, 0.0] for c in workers for m in ("plain", "speculative")}
+    identical = True
+    for i, text in enumerate(texts):
+        for method in ("plain", "speculative"):
+            order = ("old", "new") if i % 2 == 0 else ("new", "old")
+            res = {c: workers[c].run(text, a.max_new_tokens, method) for c in order}
+            identical &= res["old"]["tokens"] == res["new"]["tokens"]
+            for c, r in res.items():
+                tot[(c, method)][0] += len(r["tokens"])
+                tot[(c, method)][1] += r["seconds"]
+    for w in workers.values():
+        w.close()
+    print(f"{'method':<12} {'old tok/s':>10} {'new tok/s':>10} {'new/old':>8}")
+    for method in ("plain", "speculative"):
+        o, n = (tot[(c, method)][0] / tot[(c, method)][1] for c in ("old", "new"))
+        print(f"{method:<12} {o:>10.1f} {n:>10.1f} {n / o:>8.3f}")
+    print(f"outputs identical between checkouts: {'yes' if identical else 'NO'}")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
