@@ -144,9 +144,10 @@ def main(argv=None) -> int:
     b.add_argument("--max-context", type=int)
     b.add_argument("--prefill-chunk", type=int)
     b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
-    b.add_argument("--attention", choices=("gqa", "portable"),
+    b.add_argument("--attention", choices=("gqa", "portable", "standard"),
                    help="gqa (default): ONNX Runtime's fused GroupQueryAttention, KV written in place; "
-                        "portable: standard ONNX ops only")
+                        "portable: standard ONNX ops only; standard: opset-24 TensorScatter + Attention, "
+                        "KV written in place (the TensorRT graph)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")

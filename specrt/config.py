@@ -33,9 +33,9 @@ class BuildConfig:
             raise SpecrtError(f"prefill_chunk={self.prefill_chunk} exceeds max_context={self.max_context}")
         if self.k + 1 > self.max_context:
             raise SpecrtError(f"k={self.k} needs max_context > {self.k + 1}")
-        if self.attention not in ("gqa", "portable"):
-            raise SpecrtError(f"attention={self.attention!r}; choose 'gqa' (ONNX Runtime, fastest) or 'portable' "
-                              "(standard ONNX ops only)")
+        if self.attention not in ("gqa", "portable", "standard"):
+            raise SpecrtError(f"attention={self.attention!r}; choose 'gqa' (ONNX Runtime, fastest), 'portable' "
+                              "(standard ONNX ops only) or 'standard' (opset-24 ops, for TensorRT)")
         kind = self.draft_kind
         if kind == "truncate" and self.truncate_layers < 1:
             raise SpecrtError(f"draft={self.draft!r}: N must be a positive integer")

@@ -118,7 +118,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
 
 def _kv(cfg: BuildConfig, shares: str | None) -> dict:
     return {"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
-            "update": "in_place" if cfg.attention == "gqa" else "returned", "shares_cache_with": shares}
+            "update": "in_place" if cfg.attention in ("gqa", "standard") else "returned", "shares_cache_with": shares}
 
 
 def _check_window(lm, shapes) -> None:

@@ -14,13 +14,26 @@ KV contract (one graph per T: prefill chunk, decode T=1, verify T=k+1):
 The caller writes new_k/new_v into the cache at [past_len, past_len + T); rejecting
 draft tokens only lowers the length.
 
-Two attention variants (`attention=`):
+Three attention variants (`attention=`):
 - "portable": standard ONNX ops only (below); any runtime that reads ONNX runs it.
 - "gqa": ONNX Runtime's fused `com.microsoft.GroupQueryAttention` (rotary inside). It
   attends only to the valid length and writes the new K/V into the cache in place: the
   outputs are `present_k_{i}` / `present_v_{i}` [1, KVH, M, D], which the runtime binds
   to the very buffers it passes as `past_*` (past/present share one buffer). ~1.3x
-  faster per step on 2 cores at short contexts; ONNX Runtime only. Cache rows >= past_len are masked, so stale rows
+  faster per step on 2 cores at short contexts; ONNX Runtime only.
+- "standard": standard ONNX opset-24 ops for TensorRT (whose parser rejects `Attention` with
+  past_key/past_value and ORT's contrib ops): per layer `TensorScatter` writes the T new K/V
+  rows into the cache inputs at past_len (axis -2) and `Attention` runs over the whole
+  cache with a bool mask built from past_len. Outputs `present_k_{i}`/`present_v_{i}`
+  [1, KVH, M, D] are the updated cache, bound to the past_* buffers (in place, as "gqa").
+  Runs on ONNX Runtime CPU here; TensorRT has not run it (no GPU).
+
+    past_k ─┐
+    k_new ──┴─ TensorScatter(axis=-2, write_indices=past_len) ─ present_k ─┐
+    q [1, H, T, D] ──────────────────────────────────────────────────────┼─ Attention ─ o [1, H, T, D]
+    mask [1, 1, T, M]: j <= past_len + t ───────────────────────────────┘ (GQA: head h reads kv h // G)
+
+"portable": cache rows >= past_len are masked, so stale rows
 are harmless. Attention never concatenates the cache (that would copy M rows per
 layer per step): scores against the cache and against the new block are computed
 separately and joined only after the dot products:
@@ -47,7 +60,7 @@ def _w(sd: dict, name: str) -> nn.Parameter:
 class StaticDecoder(nn.Module):
     def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, *, tokens: int, kv_capacity: int,
                  inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
-                 attention: str = "portable"):
+                 attention: str = "portable", dtype: torch.dtype = torch.float32, static_total: bool = False):
         super().__init__()
         assert attention in ATTENTION, attention
         self.spec, self.dims, self.T, self.M, self.attention = spec, dims, tokens, kv_capacity, attention
@@ -76,6 +89,14 @@ class StaticDecoder(nn.Module):
         self.register_buffer("causal", causal, persistent=False)
         self.register_buffer("cache_pos", torch.arange(kv_capacity, dtype=torch.int64), persistent=False)
         self.register_buffer("step_pos", torch.arange(T, dtype=torch.int64), persistent=False)
+        self.dtype = dtype
+        self.static_total = static_total
+        if dtype != torch.float32:
+            # weights, rotary tables and the KV cache in `dtype`; inv_freq stays fp32 because
+            # rotary angles pos * inv_freq reach max_context radians (fp16 steps of 0.5 there)
+            self.to(dtype)
+            if spec.positions == "rope":
+                self.inv_freq = self.inv_freq.float()
 
     def forward(self, input_ids, past_len, *past):
         # input_ids: [1, T]; past_len: [1]; past: 2*L tensors [1, KVH, M, D]
@@ -93,7 +114,10 @@ class StaticDecoder(nn.Module):
         if self.spec.positions == "rope":
             freqs = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]   # [T, D/2]
             emb = torch.cat([freqs, freqs], dim=-1)                          # [T, D]
-            rope = (emb.cos() * self.rope_scale, emb.sin() * self.rope_scale, self.rot)
+            rope = ((emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype),
+                    self.rot)
+        if self.attention == "standard":
+            return self._forward_standard(x, past_len, pos, past, rope)
         valid = self.cache_pos < past_len                                     # [M]
         new_kv = []
         for i, layer in enumerate(self.layers):
@@ -107,6 +131,12 @@ class StaticDecoder(nn.Module):
         # GroupQueryAttention: seqlens_k = total length - 1 (per batch), total_sequence_length scalar
         seqlens = (past_len + (self.T - 1)).to(torch.int32)                   # [1]
         total = (past_len + self.T).to(torch.int32).reshape(())               # []
+        if self.static_total:
+            # CUDA graphs: GroupQueryAttention reads total_sequence_length on the host, so a value
+            # computed on the device would be frozen into a captured graph (or force a sync). A
+            # constant M (the buffer length) with the real length in seqlens_k, as onnxruntime-genai
+            # does; same results on ORT CPU (tests/gpu/test_fp16.py).
+            total = torch.tensor(self.M, dtype=torch.int32)
         rope = (self.cos_cache, self.sin_cache) if self.spec.positions == "rope" else None
         present = []
         for i, layer in enumerate(self.layers):
@@ -114,15 +144,30 @@ class StaticDecoder(nn.Module):
             present += [k, v]
         return (self._head(x), *present)
 
+    def _forward_standard(self, x, past_len, pos, past, rope):
+        # row t may attend to cache rows j <= past_len + t (the cache already holds row t itself)
+        T, M = self.T, self.M
+        attend = (self.cache_pos[None, :] <= pos[:, None]).reshape(1, 1, T, M)  # [1, 1, T, M] bool
+        present = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend, rope)
+            present += [k, v]
+        return (self._head(x), *present)
+
     def _head(self, x):
         x = _norm(self.spec, x, self.final_norm, self.final_norm_bias, self.dims.eps)
-        return x @ self.lm_head                                             # [1, T, V]
+        logits = x @ self.lm_head                                           # [1, T, V]
+        return logits if logits.dtype == torch.float32 else logits.float()   # logits stay fp32 at the IO
 
 
-ATTENTION = ("gqa", "portable")
+ATTENTION = ("gqa", "portable", "standard")
+IN_PLACE = ("gqa", "standard")     # graphs whose present_* outputs alias the past_* inputs
 
 
 def _norm(spec, x, w, b, eps):
+    if x.dtype != torch.float32:
+        # fp16 graph: statistics in fp32 (x² overflows fp16 beyond |x| = 256), scale in x's dtype
+        return _norm(spec, x.float(), w.float(), None if b is None else b.float(), eps).to(x.dtype)
     if spec.norm == "rms":
         # written as ORT's SimplifiedLayerNormalization fusion expects (Pow-ReduceMean-Add-Sqrt-Div)
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -181,13 +226,7 @@ class _Layer(nn.Module):
         # x: [1, T, C]; past_k/v: [1, KVH, M, D]; valid: [M] bool; causal: [G*T, T] bool
         d = self.dims
         T, H, KVH, D, G = x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
-        h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
-        qkv = self._lin(h, self.qkv, self.qkv_b).view(1, T, H + 2 * KVH, D).transpose(1, 2)  # [1, H+2KVH, T, D]
-        qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
-        if rope is not None:
-            cos, sin, rot = rope                                                   # [T, D], [D, D]
-            qk = qk * cos + (qk @ rot) * sin                                       # q and k rotated together
-        q, k = qk[:, :H], qk[:, H:]                                               # [1, H, T, D], [1, KVH, T, D]
+        q, k, v = self._qkv_heads(x, rope)                                       # [1, H, T, D], [1, KVH, T, D]
         # head h reads kv head h // G (HF repeat_kv order): [1, KVH, G*T, D]
         qg = (q * (1.0 / math.sqrt(D))).reshape(1, KVH, G * T, D)
         s_past = (qg @ past_k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))  # [1, KVH, G*T, M]
@@ -209,9 +248,31 @@ class _Layer(nn.Module):
             "com.microsoft::GroupQueryAttention", inputs,
             dict(num_heads=H, kv_num_heads=KVH, scale=1.0 / math.sqrt(D), do_rotary=int(rope is not None),
                  rotary_interleaved=0),
-            dtypes=(torch.float32, torch.float32, torch.float32),
+            dtypes=(x.dtype, x.dtype, x.dtype),
             shapes=((1, T, H * D), tuple(past_k.shape), tuple(past_v.shape)), version=1)
         return self._mlp(x + self._lin(o, self.o, self.o_b)), pk, pv
+
+    def _qkv_heads(self, x, rope):
+        # x: [1, T, C] -> q [1, H, T, D], k/v [1, KVH, T, D], rotary applied
+        d = self.dims
+        T, H, KVH, D = x.shape[1], d.heads, d.kv_heads, d.head_dim
+        h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
+        qkv = self._lin(h, self.qkv, self.qkv_b).view(1, T, H + 2 * KVH, D).transpose(1, 2)  # [1, H+2KVH, T, D]
+        qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
+        if rope is not None:
+            cos, sin, rot = rope                                                   # [T, D], [D, D]
+            qk = qk * cos + (qk @ rot) * sin                                       # q and k rotated together
+        return qk[:, :H], qk[:, H:], v
+
+    def forward_standard(self, x, past_k, past_v, past_len, attend, rope):
+        # x: [1, T, C]; past_k/v: [1, KVH, M, D] (present = past with rows past_len.. overwritten)
+        d = self.dims
+        T, H, D = x.shape[1], d.heads, d.head_dim
+        q, k, v = self._qkv_heads(x, rope)
+        present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
+        o, _, _, _ = torch.onnx.ops.attention(q, present_k, present_v, attend, scale=1.0 / math.sqrt(D))
+        o = o.transpose(1, 2).reshape(1, T, H * D)                                 # [1, H, T, D] -> [1, T, H*D]
+        return self._mlp(x + self._lin(o, self.o, self.o_b)), present_k, present_v
 
     def _mlp(self, x):
         d = self.dims
@@ -223,3 +284,13 @@ class _Layer(nn.Module):
             m = self._lin(nn.functional.gelu(self._lin(h, self.fc, self.fc_b), approximate="tanh"),
                           self.proj, self.proj_b)
         return x + m
+
+
+def _scatter(cache, update, past_len):
+    """ONNX TensorScatter-24: cache [1, KVH, M, D] with rows past_len..past_len+T replaced by
+    update [1, KVH, T, D]. In torch (outside export) an out-of-place index_copy, same result."""
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic("TensorScatter", [cache, update, past_len], dict(axis=-2, mode="linear"),
+                                       dtype=cache.dtype, shape=cache.shape, version=24)
+    rows = past_len + torch.arange(update.shape[2])
+    return cache.index_copy(2, rows, update)

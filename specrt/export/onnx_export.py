@@ -15,11 +15,19 @@ import torch
 from specrt import manifest as mf
 from specrt.errors import ExportError
 from specrt.export import weights as wpack
-from specrt.export.graph import StaticDecoder
+from specrt.export.graph import IN_PLACE, StaticDecoder
 from specrt.export.sources import LoadedModel
 
 log = logging.getLogger(__name__)
 OPSET = 20
+OPSET_BY_ATTENTION = {"standard": 24}   # TensorScatter is opset 24; Attention 23/24
+# graph precision -> torch dtype of weights, activations and the KV cache (logits stay fp32)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+KV_DTYPE = {"fp32": "float32", "fp16": "float16"}
+
+
+def opset_for(attention: str) -> int:
+    return OPSET_BY_ATTENTION.get(attention, OPSET)
 
 
 def graph_tokens(shapes: mf.Shapes) -> dict[str, int]:
@@ -27,10 +35,11 @@ def graph_tokens(shapes: mf.Shapes) -> dict[str, int]:
 
 
 def build_module(lm: LoadedModel, tokens: int, kv_capacity: int, layers: int | None = None,
-                 attention: str = "portable") -> StaticDecoder:
+                 attention: str = "portable", precision: str = "fp32", static_total: bool = False) -> StaticDecoder:
     dims = lm.dims if layers is None else _replace_layers(lm.dims, layers)
     return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, kv_capacity=kv_capacity,
-                         inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling, attention=attention).eval()
+                         inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling, attention=attention,
+                         dtype=DTYPES[precision], static_total=static_total).eval()
 
 
 def _replace_layers(dims, layers):
@@ -46,34 +55,55 @@ def io_names(layers: int, in_place: bool = False) -> tuple[list[str], list[str]]
     return [n["input_ids"], n["past_len"], *past], [n["logits"], *new]
 
 
+EXPORTER_LOGGER = "torch.onnx._internal.exporter._registration"
+
+
+@contextlib.contextmanager
+def logger_level(name: str, level: int):
+    """Set one logger's level for the block and put the previous level back after it, so an
+    export leaves the process's logging as it found it."""
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield logger
+    finally:
+        logger.setLevel(previous)
+
+
 def export_graph(module: StaticDecoder, path: Path) -> None:
     d, T, M = module.dims, module.T, module.M
     args = (torch.zeros(1, T, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-            *[torch.zeros(1, d.kv_heads, M, d.head_dim) for _ in range(2 * d.layers)])
-    inputs, outputs = io_names(d.layers, in_place=module.attention == "gqa")
+            *[torch.zeros(1, d.kv_heads, M, d.head_dim, dtype=module.dtype) for _ in range(2 * d.layers)])
+    inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE)
     quiet = io.StringIO()
     # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     try:
-        with torch.no_grad(), contextlib.redirect_stdout(quiet), warnings.catch_warnings():
+        with torch.no_grad(), contextlib.redirect_stdout(quiet), warnings.catch_warnings(), \
+                logger_level(EXPORTER_LOGGER, logging.ERROR):
             warnings.simplefilter("ignore")
-            torch.onnx.export(module, args, str(path), dynamo=True, opset_version=OPSET, input_names=inputs,
-                              output_names=outputs, external_data=True, verbose=False)
+            torch.onnx.export(module, args, str(path), dynamo=True, opset_version=opset_for(module.attention),
+                              input_names=inputs, output_names=outputs, external_data=True, verbose=False)
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed for T={T}: {type(e).__name__}: {e}\n{quiet.getvalue()[-2000:]}") from e
 
 
 def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("prefill", "decode", "verify"),
-                 layers: int | None = None, attention: str = "portable", progress=None) -> dict:
+                 layers: int | None = None, attention: str = "portable", precision: str = "fp32",
+                 static_total: bool = False, progress=None) -> dict:
     """Export `graphs` of one model into out_dir (graph files + weights.bin). Returns the
-    manifest fragment: graphs, weights index, dims."""
+    manifest fragment: graphs, weights index, dims.
+
+    precision "fp16": weights, activations and KV cache in fp16 (logits fp32; for GPUs).
+    static_total (gqa only): total_sequence_length is the constant buffer length, as ONNX
+    Runtime CUDA needs under CUDA-graph capture (see graph.StaticDecoder._forward_gqa)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = graph_tokens(shapes)
     protos, timings = {}, {}
     with tempfile.TemporaryDirectory(prefix="specrt-export-") as tmp:
         for g in graphs:
             t0 = time.perf_counter()
-            module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention)
+            module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention, precision, static_total)
             export_graph(module, Path(tmp) / f"{g}.onnx")
             protos[g] = onnx.load(str(Path(tmp) / f"{g}.onnx"))
             timings[g] = round(time.perf_counter() - t0, 1)
@@ -88,4 +118,6 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     winfo["sha256"] = mf.sha256_file(out_dir / winfo["file"])
     dims = {**vars(lm.dims), **({"layers": layers} if layers else {})}
     return {"graphs": entries, "weights": winfo, "dims": dims, "export_seconds": timings, "attention": attention,
-            "kv_update": "in_place" if attention == "gqa" else "returned"}
+            "kv_update": "in_place" if attention in IN_PLACE else "returned", "precision": precision,
+            "kv_dtype": KV_DTYPE[precision],
+            **({"total_sequence_length": "static"} if static_total and attention == "gqa" else {})}

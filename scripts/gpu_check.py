@@ -1,0 +1,171 @@
+"""The checks behind scripts/gpu_check.sh. GPU-ONLY: this has not yet run on a GPU.
+
+Per model (the tiny random llama always; the default SmolLM2 when its GGUF is present):
+  1. export gqa and standard graphs at fp32 and fp16 (specrt.export.onnx_export)
+  2. fp16 vs fp32 on ONNX Runtime CPU (the reference the GPU runs are held to)
+  3. ort-cuda (when onnxruntime-gpu sees the GPU): fp16 graphs (gqa, gqa with a constant
+     total_sequence_length, standard) on CUDAExecutionProvider vs fp32 on CPU, and the fp32
+     standard graph on CUDA vs CPU
+  4. tensorrt (when TensorRT imports): `polygraphy run --trt --onnxrt` on the fp16
+     standard verify graph, and specrt's builder over a standard-op build of the model
+Greedy comparisons report the first divergence and the fp32 top-2 logit margin there: a
+flip at a margin within the logit tolerance is a near-tie (fp16 may flip those), a flip
+at a wider margin fails.
+
+Exit status: 0 all ran and passed; 1 a check failed; 2 no GPU; 3 some checks NOT RUN.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+# not implemented yet in specrt (issue 8 items 2, 3, 5): reported, never counted as passed
+NOT_YET = ("generator on ort-cuda with CUDA graphs on and off: no ONNX Runtime CUDA runtime backend yet",
+           "generator on TensorRT engines with CUDA-graph replay: no TensorRT runtime backend yet",
+           "speculative vs plain tokens/s on the GPU: needs a GPU runtime backend")
+CUDA = ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+class Results:
+    def __init__(self):
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, name: str, status: str, detail: str = "") -> None:
+        self.rows.append((name, status, detail))
+        print(f"gpu_check: {status:8} {name}  {detail}", flush=True)
+
+    def run(self, name: str, fn) -> None:
+        try:
+            status, detail = fn()
+        except Exception as e:   # a check that crashes is a failed check  # noqa: BLE001
+            status, detail = "FAIL", f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        self.add(name, status, detail)
+
+    def code(self) -> int:
+        statuses = {s for _, s, _ in self.rows}
+        return 1 if "FAIL" in statuses else 3 if "NOT RUN" in statuses else 0
+
+
+def greedy_status(report: dict) -> tuple[str, str]:
+    g, tol = report["greedy"], report["tolerance"]
+    deltas = ", ".join(f"{k} {v['max_abs_logit_delta']:.3g}" for k, v in report["graphs"].items())
+    detail = f"max|dlogit| {deltas} (tol {tol:.3g}); greedy identical for {g['identical_prefix']}/{g['tokens']}"
+    if "first_divergence" not in g:
+        return "PASS", detail
+    d = g["first_divergence"]
+    detail += f"; first divergence at {d['position']}: fp32 margin {d['fp32_top2_margin']:.3g}"
+    return ("PASS", detail + " (near-tie)") if d["fp32_top2_margin"] <= tol else ("FAIL", detail)
+
+
+def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results, *, polygraphy: str) -> None:
+    from specrt.export import onnx_export, precision, sources
+
+    lm = sources.load_source(src)
+    vocab = int(lm.dims.vocab)
+    prompt = [(7 * i + 5) % vocab for i in range(24)]
+    ex = {}
+    for att in ("gqa", "standard"):
+        for prec in ("fp32", "fp16"):
+            d = out / name / f"{att}-{prec}"
+            ex[att, prec] = (d, onnx_export.export_model(lm, shapes, d, attention=att, precision=prec))
+    # the form the ORT CUDA backend captures: constant total_sequence_length (graph._forward_gqa)
+    d = out / name / "gqa-fp16-static"
+    ex["gqa", "fp16s"] = (d, onnx_export.export_model(lm, shapes, d, attention="gqa", precision="fp16",
+                                                      static_total=True))
+
+    def cmp(att, providers=None, low="fp16"):
+        (d32, p32), (dlo, plo) = ex[att, "fp32"], ex[att, low]
+        return greedy_status(precision.compare(d32, p32, dlo, plo, shapes, prompt=prompt, providers=providers))
+
+    for att in ("gqa", "standard"):
+        results.run(f"{name} {att}: fp16 vs fp32, both on ORT CPU", lambda att=att: cmp(att))
+    results.run(f"{name} gqa static total: fp16 vs fp32, both on ORT CPU", lambda: cmp("gqa", low="fp16s"))
+    if probe.ort_cuda:
+        for att, low in (("gqa", "fp16"), ("gqa", "fp16s"), ("standard", "fp16")):
+            results.run(f"{name} {att} {low}: on ORT CUDA vs fp32 on ORT CPU",
+                        lambda att=att, low=low: cmp(att, CUDA, low=low))
+        results.run(f"{name} standard: fp32 on ORT CUDA vs fp32 on ORT CPU",
+                    lambda: cmp("standard", CUDA, low="fp32"))
+    else:
+        results.add(f"{name}: ORT CUDA checks", "NOT RUN", "onnxruntime-gpu (CUDAExecutionProvider) is not installed")
+    if probe.tensorrt:
+        verify = ex["standard", "fp16"][0] / "verify.onnx"
+
+        def poly():
+            cmd = [polygraphy, "run", str(verify), "--trt", "--onnxrt", "--atol", "5e-2", "--rtol", "5e-2",
+                   "--val-range", f"input_ids:[0,{vocab - 1}]", f"past_len:[0,{shapes.max_context - shapes.k - 1}]",
+                   "--seed", "42"]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+            tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+            return ("PASS" if p.returncode == 0 else "FAIL"), " | ".join(tail)
+
+        results.run(f"{name} standard fp16 verify: polygraphy --trt vs --onnxrt", poly)
+        results.run(f"{name}: specrt TensorRT builder over a standard-op build",
+                    lambda: build_trt(name, src, shapes, out))
+    else:
+        results.add(f"{name}: TensorRT checks", "NOT RUN", "TensorRT is not installed")
+
+
+def build_trt(name: str, src: Path, shapes, out: Path) -> tuple[str, str]:
+    from specrt.config import BuildConfig
+    from specrt.engines import tensorrt as trt_engines
+    from specrt.pipeline import build
+
+    onnx_dir = out / name / "standard-build"
+    build(BuildConfig(target=str(src), out=str(onnx_dir), draft="none", max_context=shapes.max_context,
+                      prefill_chunk=shapes.prefill_chunk, k=shapes.k, attention="standard"), progress=False, force=True)
+    result = trt_engines.build_engines(onnx_dir, out / name / "trt", log=lambda sev, msg: None)
+    here = {"tensorrt_version": __import__("tensorrt").__version__, **trt_engines.gpu_identity()}
+    engines = [f for graphs in result["engines"].values() for f in graphs.values()]
+    warnings = [w for f in engines for w in trt_engines.check_engine_compat(f, here)]
+    return "PASS", f"{len(engines)} engines built; compat warnings: {warnings or 'none'}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/specrt-gpu-check"))
+    ap.add_argument("--skip-default", action="store_true", help="only the tiny model")
+    args = ap.parse_args(argv)
+    from specrt.config import DEFAULT_MODEL
+    from specrt.engines.select import probe, select_backend
+    from specrt.manifest import Shapes
+
+    p = probe()
+    if not p.gpu:
+        print("gpu_check: FAILED: CUDA reports no GPU (cuda-python missing or no device): the GPU checks cannot "
+              "run here; this script never passes on a CPU machine", file=sys.stderr)
+        return 2
+    print(f"gpu_check: probe {p}; auto backend -> {select_backend('auto', p)}", flush=True)
+    results = Results()
+    polygraphy = str(Path(sys.executable).parent / "polygraphy")
+    import tiny_models
+    tiny = tiny_models.make_tiny_model_dir(args.out / "tiny-model", "llama", layers=2)
+    check_model("tiny", tiny, Shapes(batch=1, max_context=64, prefill_chunk=16, k=3), args.out, p, results,
+                polygraphy=polygraphy)
+    default = ROOT / DEFAULT_MODEL
+    if args.skip_default:
+        results.add("default model", "NOT RUN", "--skip-default")
+    elif not default.exists():
+        results.add("default model", "NOT RUN", f"{default} is missing: `make model`")
+    else:
+        check_model("default", default, Shapes(batch=1, max_context=1024, prefill_chunk=64, k=4), args.out, p,
+                    results, polygraphy=polygraphy)
+    for item in NOT_YET:
+        results.add(item, "NOT RUN", "not implemented")
+    (args.out / "gpu_check.json").write_text(json.dumps(results.rows, indent=1))
+    code = results.code()
+    print(f"gpu_check: {'PASSED' if code == 0 else 'FAILED' if code == 1 else 'INCOMPLETE'} (exit {code}); "
+          f"results in {args.out / 'gpu_check.json'}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Which backend a build targets: `select_backend(requested, probe)` -> (backend, reason).
+
+    auto -> "tensorrt"  when TensorRT imports and a CUDA GPU is visible
+         -> "ort-cuda"  when onnxruntime-gpu (CUDAExecutionProvider) and a GPU are there
+         -> "ort-cpu"   otherwise
+An explicit request is honoured or refused with what is missing; it never falls back
+silently. The decision is a pure function of a `Probe`, so it is tested on CPU with fake
+probes; `probe()` looks at this machine. The GPU backends themselves have not run on a
+GPU yet (README "GPU path").
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+from specrt.engines.errors import BackendUnavailableError
+
+BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "auto")
+
+
+@dataclass(frozen=True)
+class Probe:
+    tensorrt: str | None = None          # TensorRT version when `import tensorrt` works
+    gpu: str | None = None               # name of CUDA device 0, when one is visible
+    ort_providers: tuple[str, ...] = ("CPUExecutionProvider",)
+
+    @property
+    def ort_cuda(self) -> bool:
+        return "CUDAExecutionProvider" in self.ort_providers
+
+
+def select_backend(requested: str, probe: Probe) -> tuple[str, str]:
+    if requested not in BACKENDS:
+        raise BackendUnavailableError(f"backend={requested!r}; choose one of {', '.join(BACKENDS)}")
+    gpu = f"GPU {probe.gpu}" if probe.gpu else "no CUDA GPU"
+    if requested == "ort-cpu":
+        return "ort-cpu", "requested"
+    if requested == "tensorrt":
+        if not probe.tensorrt or not probe.gpu:
+            missing = " and ".join(x for x, ok in (("TensorRT", probe.tensorrt), ("a CUDA GPU", probe.gpu)) if not ok)
+            raise BackendUnavailableError(f"--backend tensorrt needs TensorRT and a CUDA GPU; this machine lacks "
+                                          f"{missing}: use --backend auto, ort-cuda or ort-cpu")
+        return "tensorrt", f"requested; TensorRT {probe.tensorrt} on {gpu}"
+    if requested == "ort-cuda":
+        if not probe.ort_cuda or not probe.gpu:
+            missing = " and ".join(x for x, ok in (("onnxruntime-gpu (CUDAExecutionProvider)", probe.ort_cuda),
+                                                   ("a CUDA GPU", probe.gpu)) if not ok)
+            raise BackendUnavailableError(f"--backend ort-cuda needs onnxruntime-gpu and a CUDA GPU; this machine "
+                                          f"lacks {missing}: `pip install specrt[cuda]` on a GPU machine, "
+                                          "or use ort-cpu")
+        return "ort-cuda", f"requested; onnxruntime CUDAExecutionProvider on {gpu}"
+    # auto
+    if probe.gpu and probe.tensorrt:
+        return "tensorrt", f"auto: TensorRT {probe.tensorrt} and {gpu} found"
+    if probe.gpu and probe.ort_cuda:
+        why = "TensorRT is not installed" if not probe.tensorrt else ""
+        return "ort-cuda", f"auto: {gpu} and onnxruntime-gpu found; {why}".rstrip("; ")
+    if probe.gpu:
+        return "ort-cpu", (f"auto: {gpu} found but neither TensorRT nor onnxruntime-gpu is installed; "
+                           "running on the CPU")
+    return "ort-cpu", "auto: no CUDA GPU found"
+
+
+def probe() -> Probe:
+    """This machine: TensorRT version, CUDA device 0's name, ONNX Runtime's providers."""
+    trt_version = None
+    if importlib.util.find_spec("tensorrt") is not None:
+        try:
+            trt_version = str(importlib.import_module("tensorrt").__version__)
+        except Exception:   # a broken install (missing libnvinfer) counts as absent  # noqa: BLE001
+            trt_version = None
+    try:
+        import onnxruntime
+        providers = tuple(onnxruntime.get_available_providers())
+    except ImportError:
+        providers = ()
+    return Probe(tensorrt=trt_version, gpu=_gpu_name(), ort_providers=providers)
+
+
+def _gpu_name() -> str | None:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return None
+    try:
+        err, count = cudart.cudaGetDeviceCount()
+        if err != cudart.cudaError_t.cudaSuccess or count < 1:
+            return None
+        err, prop = cudart.cudaGetDeviceProperties(0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            return None
+        name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
+        return name.rstrip("\x00") or "CUDA device 0"
+    except Exception:   # no driver: cuda-python raises instead of returning an error  # noqa: BLE001
+        return None
