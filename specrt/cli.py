@@ -131,6 +131,25 @@ def cmd_inspect(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    try:
+        from specrt.serve.server import ServeConfig, serve
+    except ModuleNotFoundError as e:
+        raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing): "
+                          "pip install 'specrt[serve]'") from None
+    return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, queue_size=a.queue_size,
+                             timeout=a.timeout, memory=a.memory, threads=a.threads, model_name=a.model_name,
+                             log_level="info" if a.verbose else "warning"))
+
+
+def cmd_triton_repo(a) -> int:
+    from specrt.serve.triton import write_triton_repo
+    model_dir = write_triton_repo(a.engines, a.out, model_name=a.model_name, instances=a.instances,
+                                  memory=a.memory, copy_engines=a.copy_engines)
+    print(f"wrote {model_dir} (serve it with: tritonserver --model-repository {a.out})")
+    return 0
+
+
 def main(argv=None) -> int:
     p = _Parser(prog="specrt", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true")
@@ -199,6 +218,29 @@ def main(argv=None) -> int:
     i.add_argument("engines")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    sv.add_argument("engines", help="folder written by `specrt build`")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    sv.add_argument("--workers", type=int, default=1, help="generations at once; each loads its own engines")
+    sv.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a worker (then 429)")
+    sv.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queueing included")
+    sv.add_argument("--memory", choices=("fast", "shared"), default="fast",
+                    help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
+    sv.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (one pool for the process)")
+    sv.add_argument("--model-name", help="the model id clients send (default: the engine folder's name)")
+    sv.set_defaults(fn=cmd_serve)
+
+    tr = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend)")
+    tr.add_argument("engines", help="folder written by `specrt build`")
+    tr.add_argument("out", help="model repository folder to write (created)")
+    tr.add_argument("--model-name", help="Triton model name (default: the engine folder's name)")
+    tr.add_argument("--instances", type=int, default=1, help="model instances (each loads its own engines)")
+    tr.add_argument("--memory", choices=("fast", "shared"), default="fast")
+    tr.add_argument("--copy-engines", action="store_true",
+                    help="copy the engines into the repository (default: refer to their absolute path)")
+    tr.set_defaults(fn=cmd_triton_repo)
 
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")

@@ -1,0 +1,81 @@
+"""Prometheus collectors behind GET /metrics, in a registry of their own (one per app,
+so two servers in one process, as in the tests, never share counters).
+
+Names follow vLLM's where one exists (time_to_first_token_seconds,
+inter_token_latency_seconds); the acceptance rate is exported both as the two counters
+it is made of (rate() them in PromQL) and as a cumulative gauge.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# TTFT includes queueing; ITL is the gap between two streamed tokens (speculation emits
+# bursts: a verify pass releases up to k+1 tokens at once, then the next pass takes a step)
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+OUTCOMES = ("ok", "bad_request", "rejected", "cancelled", "timeout", "error")
+
+
+class ServerMetrics:
+    def __init__(self, model: str):
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)            # process_resident_memory_bytes, cpu seconds
+        label = {"model": model}
+        self.requests = Counter("specrt_requests", "Requests answered, by endpoint and outcome",
+                                ["model", "endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("specrt_prompt_tokens", "Prompt tokens processed", ["model"],
+                                     registry=r).labels(**label)
+        self.generation_tokens = Counter("specrt_generation_tokens", "Tokens generated", ["model"],
+                                         registry=r).labels(**label)
+        self.draft_tokens = Counter("specrt_spec_decode_draft_tokens", "Draft tokens proposed", ["model"],
+                                    registry=r).labels(**label)
+        self.accepted_tokens = Counter("specrt_spec_decode_accepted_tokens", "Draft tokens accepted",
+                                       ["model"], registry=r).labels(**label)
+        self.acceptance_rate = Gauge("specrt_spec_decode_acceptance_rate",
+                                     "Accepted / drafted tokens since the server started", ["model"],
+                                     registry=r).labels(**label)
+        self.acceptance_rate.set_function(self._rate)
+        self.queue_depth = Gauge("specrt_queue_depth", "Requests waiting for a worker", ["model"],
+                                 registry=r).labels(**label)
+        self.workers_busy = Gauge("specrt_workers_busy", "Workers running a generation", ["model"],
+                                  registry=r).labels(**label)
+        self.ttft = Histogram("specrt_time_to_first_token_seconds", "Request arrival to first token",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r).labels(**label)
+        self.itl = Histogram("specrt_inter_token_latency_seconds", "Gap between consecutive streamed tokens",
+                             ["model"], buckets=_ITL_BUCKETS, registry=r).labels(**label)
+        self.e2e = Histogram("specrt_request_duration_seconds", "Request arrival to last token",
+                             ["model"], buckets=_E2E_BUCKETS, registry=r).labels(**label)
+        self.model = model
+        self._lock = threading.Lock()
+        self._drafted = self._accepted = 0
+
+    def _rate(self) -> float:
+        with self._lock:
+            return self._accepted / self._drafted if self._drafted else 0.0
+
+    def record_generation(self, prompt_tokens: int, tokens: int, drafted: int, accepted: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(tokens)
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        with self._lock:
+            self._drafted += drafted
+            self._accepted += accepted
+
+    def watch(self, queued: Callable[[], int], busy: Callable[[], int]) -> None:
+        self.queue_depth.set_function(queued)
+        self.workers_busy.set_function(busy)
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        assert outcome in OUTCOMES, outcome
+        self.requests.labels(model=self.model, endpoint=endpoint, outcome=outcome).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

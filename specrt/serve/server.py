@@ -1,0 +1,114 @@
+"""`ServeConfig` and `serve()`: load the workers, then run uvicorn until SIGTERM or Ctrl-C.
+
+Shutdown: uvicorn stops listening, lets in-flight requests finish (streams included)
+for up to `timeout + DRAIN_MARGIN_S` seconds, cancels what is left, then the app's
+lifespan closes the pool (worker threads joined). SIGTERM then exits 0.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specrt import manifest as mf
+from specrt.runtime.ort_backend import MEMORY_MODES
+from specrt.runtime.tokenizer import Tokenizer
+from specrt.serve.errors import ServeConfigError
+from specrt.serve.metrics import ServerMetrics
+from specrt.serve.validation import Validator
+from specrt.serve.workers import EnginePool, load_generator, rss_mib
+
+DRAIN_MARGIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engines: str
+    host: str = "127.0.0.1"
+    port: int = 8000                # 0: any free port (printed at start)
+    workers: int = 1                # each loads its own generator (memory: see README "Serving")
+    queue_size: int = 8             # requests that may wait for a worker before 429
+    timeout: float = 300.0          # seconds from arrival to the last token
+    memory: str = "fast"            # "fast" | "shared", passed to every worker's generator
+    threads: int = 2                # ORT intra-op threads (one pool for the process)
+    model_name: str | None = None   # default: the engine folder's name
+    log_level: str = "warning"
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ServeConfigError(f"--workers {self.workers}: give at least 1")
+        if self.queue_size < 0:
+            raise ServeConfigError(f"--queue-size {self.queue_size}: give 0 (no waiting) or more")
+        if not self.timeout > 0:
+            raise ServeConfigError(f"--timeout {self.timeout}: give a positive number of seconds")
+        if self.memory not in MEMORY_MODES:
+            raise ServeConfigError(f"--memory {self.memory}: choose one of {', '.join(MEMORY_MODES)}")
+        if not 0 <= self.port <= 65535:
+            raise ServeConfigError(f"--port {self.port}: give a port in [0, 65535]")
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.engines).resolve().name
+
+
+def build_app(cfg: ServeConfig, factory: Callable = load_generator):
+    """The app and its (not yet started) pool. `factory(engines, memory=, threads=)` makes
+    one worker's generator; tests wrap it."""
+    from specrt.serve.app import create_app
+    man = mf.load(cfg.engines)
+    name = cfg.served_name
+    metrics = ServerMetrics(name)
+    pool = EnginePool(cfg.engines, workers=cfg.workers, queue_size=cfg.queue_size, memory=cfg.memory,
+                      threads=cfg.threads, factory=factory, on_generation=metrics.record_generation)
+    validator = Validator(Tokenizer(Path(cfg.engines), man.tokenizer), max_context=man.shapes.max_context,
+                          vocab=int(man.target.dims["vocab"]), model_name=name)
+    app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,
+                     max_context=man.shapes.max_context)
+    return app, pool
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeConfigError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port, "
+                               "or stop the process that holds it") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(cfg: ServeConfig, out=print, factory: Callable = load_generator) -> int:
+    import uvicorn
+    app, pool = build_app(cfg, factory)
+    sock = bind(cfg.host, cfg.port)     # first: a busy port fails in a second, not after loading
+    try:
+        pool.start()    # before serving: a bad engine folder is a typed error, not a traceback
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    per = ", ".join(f"{w.load_mib:.0f}" for w in pool.info)
+    out(f"specrt: serving {cfg.served_name!r} ({pool.method}) on http://{host}:{port}/v1 | {cfg.workers} "
+        f"worker(s), memory {cfg.memory}: +{per} MiB each, RSS {rss_mib():.0f} MiB | queue {cfg.queue_size} | "
+        f"timeout {cfg.timeout:g} s")
+    sys.stdout.flush()
+    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, lifespan="on",
+                                           timeout_graceful_shutdown=int(cfg.timeout + DRAIN_MARGIN_S)))
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with this handler in place
+    # that re-raise is a no-op and the process exits 0 once the work is drained
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    out("specrt: stopped (in-flight requests drained)")
+    return 0

@@ -1,0 +1,117 @@
+"""Request validation: a parsed OpenAI request -> a `GenerationRequest` a worker can run.
+
+Everything that can be refused is refused here, before a worker is taken: fields
+specrt cannot honour, sampling ranges, the model name, and prompts that do not fit
+the engines' static context. The prompt is tokenized here with the validator's own
+tokenizer (never a worker's generator), exactly as `SpeculativeGenerator.encode_prompt`
+does, so the server and `specrt generate` see the same token ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrt.errors import SamplingParamsError, SpecrtError
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.tokenizer import Tokenizer
+from specrt.serve.errors import ModelNotFoundError, RequestError
+from specrt.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4                    # OpenAI's limit
+
+# OpenAI fields specrt cannot honour: accepted only at their neutral value
+_NEUTRAL = {
+    "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "n": (None, 1),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: str                       # "completion" | "chat"
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+class Validator:
+    def __init__(self, tokenizer: Tokenizer, *, max_context: int, vocab: int, model_name: str):
+        self.tok, self.max_context, self.vocab, self.model_name = tokenizer, max_context, vocab, model_name
+
+    def completion(self, req: CompletionRequest) -> GenerationRequest:
+        self._common(req)
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise RequestError(f"prompt is a batch of {len(p)} strings; this server takes one prompt per "
+                                   "request: send them as separate (concurrent) requests", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            ids = self.tok.encode(p)
+        else:
+            ids = list(p)
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab):
+                raise RequestError(f"prompt token ids must lie in [0, {self.vocab}); encode the prompt with "
+                                   "this model's tokenizer, or send text", param="prompt")
+        return self._finish(req, ids, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "completion")
+
+    def chat(self, req: ChatCompletionRequest) -> GenerationRequest:
+        self._common(req)
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise RequestError("max_tokens and max_completion_tokens disagree; send one of them",
+                               param="max_completion_tokens")
+        # "developer" is OpenAI's newer name for "system"; chat templates know only "system"
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            ids = self.tok.encode(self.tok.apply_chat_template(messages), add_special_tokens=False)
+        except SpecrtError as e:
+            raise RequestError(str(e), param="messages") from None
+        return self._finish(req, ids, req.max_completion_tokens or req.max_tokens, None, "chat")
+
+    # -----------------------------------------------------------------------------------
+    def _common(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise ModelNotFoundError(f"model {req.model!r} is not served here; this server serves "
+                                     f"{self.model_name!r} (GET /v1/models)", param="model",
+                                     code="model_not_found")
+        extra = dict(req.model_extra or {}) | {"n": req.n}
+        for name, neutral in _NEUTRAL.items():
+            if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
+                raise RequestError(f"{name}={extra[name]!r} is not supported by specrt (batch size 1, no "
+                                   f"log-probabilities or penalties): leave it out", param=name,
+                                   code="unsupported_parameter")
+
+    def _finish(self, req, ids: list[int], max_tokens: int | None, default: int | None,
+                kind: str) -> GenerationRequest:
+        P, C = len(ids), self.max_context
+        if P == 0:
+            raise RequestError("the prompt is empty: give at least one token", param="prompt")
+        if P >= C:
+            raise RequestError(f"the prompt has {P} tokens; the engines were built with max_context={C}, leaving "
+                               f"no room to generate: shorten the prompt (or rebuild with a larger --max-context)",
+                               param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        room = C - P
+        if max_tokens is None:
+            max_tokens = min(default, room) if default else room
+        elif max_tokens > room:
+            raise RequestError(f"max_tokens={max_tokens} plus the prompt's {P} tokens exceeds the engines' "
+                               f"max_context={C}: ask for at most {room} tokens (or rebuild with a larger "
+                               "--max-context)", param="max_tokens", code="context_length_exceeded")
+        stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop has {len(stop)} strings; give at most {MAX_STOP_STRINGS}", param="stop")
+        try:
+            sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                      top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+        except SamplingParamsError as e:
+            raise RequestError(str(e)) from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return GenerationRequest(kind, tuple(ids), max_tokens, sampling, tuple(s for s in stop if s),
+                                 bool(req.stream), include_usage)

@@ -1,0 +1,97 @@
+"""A live server on 127.0.0.1 (uvicorn in a thread, real sockets) and a gate that holds
+a worker's generation still, so tests of cancellation and queueing do not race."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specrt.serve.server import ServeConfig, bind, build_app
+from specrt.serve.workers import load_generator
+
+WAIT_S = 60.0   # a hang guard, never a performance bound
+
+
+def wait_for(cond, what: str, timeout: float = WAIT_S):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+class LiveServer:
+    def __init__(self, engines, factory=load_generator, **cfg):
+        self.cfg = ServeConfig(str(engines), port=0, **cfg)
+        self.app, self.pool = build_app(self.cfg, factory)
+        self.pool.start()
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, "the server to start")
+
+    @property
+    def model(self) -> str:
+        return self.cfg.served_name
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=WAIT_S).json()
+
+    def metrics(self) -> dict:
+        """{(sample name, frozenset(labels minus model)): value}"""
+        text = httpx.get(self.url + "/metrics", timeout=WAIT_S).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = frozenset((k, v) for k, v in s.labels.items() if k != "model")
+                out[(s.name, labels)] = s.value
+        return out
+
+    def count(self, endpoint: str, outcome: str) -> float:
+        return self.metrics().get(("specrt_requests_total", frozenset({("endpoint", endpoint),
+                                                                      ("outcome", outcome)})), 0.0)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(WAIT_S)
+        self.sock.close()
+
+
+class Gate:
+    """Wraps each worker's real generator: every stream yields its first chunk, then
+    waits until the test opens the gate. `blocked` is set while a stream waits."""
+
+    def __init__(self):
+        self.open, self.blocked = threading.Event(), threading.Event()
+
+    def factory(self, engines, **kw):
+        return _Gated(load_generator(engines, **kw), self)
+
+
+class _Gated:
+    def __init__(self, gen, gate: Gate):
+        self._gen, self._gate = gen, gate
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def stream(self, *a, **kw):
+        inner = self._gen.stream(*a, **kw)
+        try:
+            for i, chunk in enumerate(inner):
+                yield chunk
+                if i == 0 and not self._gate.open.is_set():
+                    self._gate.blocked.set()
+                    self._gate.open.wait(WAIT_S)
+                    self._gate.blocked.clear()
+        finally:
+            inner.close()
+
