@@ -21,30 +21,30 @@ import numpy as np
 
 from specrt import manifest as mf
 from specrt.errors import ParityError
-from specrt.export.parity import GraphSet
+from specrt.export.parity import GraphSet, SessionGraphSet
 
 FP16_ATOL = 1e-2
 FP16_RTOL = 2e-2
 KV_NUMPY = {"float32": np.float32, "float16": np.float16}
 
 
-class TypedGraphSet(GraphSet):
-    """GraphSet whose numpy KV cache has the graphs' dtype (float16 for fp16 graphs).
-    providers: ONNX Runtime execution providers (default CPU; scripts/gpu_check.py passes
-    CUDAExecutionProvider on a GPU machine)."""
+def TypedGraphSet(directory: Path, part: dict, capacity: int, threads: int = 2,
+                  providers: tuple[str, ...] | None = None):
+    """The graphs of `part` on the runtime's CPU backend (KV dtype read off the graphs), or,
+    for other execution providers (scripts/gpu_check.py passes CUDAExecutionProvider on a
+    GPU machine), plain sessions with a cache of the graphs' dtype."""
+    if not providers or tuple(providers) == ("CPUExecutionProvider",):
+        return GraphSet(directory, part["graphs"], part["dims"], capacity, threads)
+    import onnxruntime as ort
 
-    def __init__(self, directory: Path, part: dict, capacity: int, threads: int = 2,
-                 providers: tuple[str, ...] | None = None):
-        super().__init__(directory, part["graphs"], part["dims"], capacity, threads)
-        dtype = KV_NUMPY[part.get("kv_dtype", "float32")]
-        self.cache = [c.astype(dtype) for c in self.cache]
-        if providers and tuple(providers) != ("CPUExecutionProvider",):
-            import onnxruntime as ort
-
-            from specrt.runtime.ort_backend import session_options
-            self.sessions = {g: ort.InferenceSession(str(Path(directory) / e["file"]), session_options(threads),
-                                                     providers=list(providers))
-                             for g, e in part["graphs"].items()}
+    from specrt.runtime.ort_backend import session_options
+    gs = SessionGraphSet(directory, part["graphs"], part["dims"], capacity, threads)
+    dtype = KV_NUMPY[part.get("kv_dtype", "float32")]
+    gs.cache = [c.astype(dtype) for c in gs.cache]
+    gs.sessions = {g: ort.InferenceSession(str(Path(directory) / e["file"]), session_options(threads),
+                                           providers=list(providers))
+                   for g, e in part["graphs"].items()}
+    return gs
 
 
 def greedy(gs: GraphSet, prompt: list[int], n: int, chunk: int) -> tuple[list[int], list[np.ndarray]]:
