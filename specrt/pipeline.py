@@ -25,7 +25,9 @@ def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Pa
     nothing is deleted that specrt did not create (`force=True` replaces a folder that is
     not a previous build)."""
     from specrt import outdir
+    from specrt.runtime.backends.ort_cpu import configure_threads
     out = outdir.preflight(cfg.out, force=force)     # before any long work
+    configure_threads(cfg.threads)   # every session of the build (parity, agreement) runs on this pool
     tmp = outdir.make_partial(out)
     try:
         _build(cfg, out, tmp, progress)

@@ -472,3 +472,23 @@ print("tokens", len(g.generate([5, 6, 7], max_new_tokens=5).tokens))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tokens 5" in r.stdout and "own pools" in r.stderr
+
+
+def test_the_build_uses_its_thread_setting_and_refuses_one_the_process_pool_cannot_honour(tiny_pair, tmp_path):
+    from specrt.config import BuildConfig
+    from specrt.pipeline import build
+    from specrt.runtime.backends.ort_cpu import pool_threads
+    configure_threads(2)
+    cfg = BuildConfig(target=str(tiny_pair[0]), out=str(tmp_path / "e"), draft="none", max_context=96,
+                      prefill_chunk=16, k=3, threads=3)
+    assert "threads=2" in expect(ConfigError, build, cfg, progress=False)
+    assert not (tmp_path / "e").exists() and pool_threads() == 2
+    code = ("import sys; sys.path.insert(0, 'tests');"
+            "from specrt.config import BuildConfig; from specrt.pipeline import build;"
+            "from specrt.runtime.backends.ort_cpu import pool_threads;"
+            f"build(BuildConfig(target={str(tiny_pair[0])!r}, out={str(tmp_path / 'f')!r}, draft='int8',"
+            " max_context=96, prefill_chunk=16, k=3, threads=1), progress=False); print('pool', pool_threads())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pool 1" in r.stdout

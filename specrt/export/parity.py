@@ -30,15 +30,16 @@ class GraphSet:
     cache: the KV buffers as [k_0, v_0, k_1, v_1, ...] (the arrays the graphs write into).
     step(graph, ids, start) -> logits [n, V], a fresh array (the runtime's buffer is reused)."""
 
-    def __init__(self, directory: Path, graphs: dict, dims: dict, capacity: int, threads: int = 2):
-        from specrt.runtime.backends.ort_cpu import OrtModel
+    def __init__(self, directory: Path, graphs: dict, dims: dict, capacity: int, threads: int | None = None):
+        from specrt.runtime.backends.ort_cpu import OrtModel, pool_threads
         from specrt.runtime.kv import KVCache
 
         directory = Path(directory)
         entry = build_entry(directory, graphs, dims)
         dtype = np.float16 if entry.kv["dtype"] == "float16" else np.float32
         self.kv = KVCache(entry.layers, int(dims["kv_heads"]), capacity, int(dims["head_dim"]), dtype=dtype)
-        self.model = OrtModel(directory, entry, None, cache=self.kv, graphs=tuple(graphs), threads=threads)
+        self.model = OrtModel(directory, entry, None, cache=self.kv, graphs=tuple(graphs),
+                              threads=threads or pool_threads() or 2)   # the build's pool (BuildConfig.threads)
         self.tokens = {g: e["tokens"] for g, e in graphs.items()}
         self.layers = entry.layers
         self.cache = [a for i in range(self.layers) for a in (self.kv.keys[i], self.kv.values[i])]

@@ -68,6 +68,12 @@ def configure_threads(threads: int) -> int | None:
     return None if _THREADS_CONFIGURED == -1 else _THREADS_CONFIGURED
 
 
+def pool_threads() -> int | None:
+    """Size of the process-wide pool in force (None before the first session, or when another
+    component owns the pools)."""
+    return _THREADS_CONFIGURED if _THREADS_CONFIGURED and _THREADS_CONFIGURED > 0 else None
+
+
 MEMORY_MODES = ("fast", "shared")
 
 
