@@ -45,6 +45,11 @@ class Shapes:
     k: int                  # draft tokens per iteration; the verify graph has T = k + 1
 
     @property
+    def windows(self) -> dict[str, int]:
+        """Static T of each graph: a prefill chunk, one decode token, a verify window of k+1."""
+        return {"prefill": self.prefill_chunk, "decode": 1, "verify": self.k + 1}
+
+    @property
     def kv_capacity(self) -> int:
         """Cache rows: max_context plus the widest graph window, so a padded prefill
         chunk or a verify window starting at max_context - 1 still fits."""
@@ -160,7 +165,7 @@ def load(directory: str | Path) -> Manifest:
         v = getattr(sh, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ManifestError(f"{path}: shapes.{name}={v!r} is not a positive integer; rebuild the engines")
-    window = {"prefill": sh.prefill_chunk, "decode": 1, "verify": sh.k + 1}
+    window = sh.windows
     for role, m in man.models.items():
         for g, e in m.graphs.items():
             if g in window and e.tokens != window[g]:

@@ -31,7 +31,7 @@ def opset_for(attention: str) -> int:
 
 
 def graph_tokens(shapes: mf.Shapes) -> dict[str, int]:
-    return {"prefill": shapes.prefill_chunk, "decode": 1, "verify": shapes.k + 1}
+    return shapes.windows
 
 
 def build_module(lm: LoadedModel, tokens: int, kv_capacity: int, layers: int | None = None,
