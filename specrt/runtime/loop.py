@@ -12,27 +12,21 @@ leave the caches consistent (length == tokens that have KV) when the caller stop
 early: the `finally` blocks rewind to what was emitted.
 
 Allocation: every buffer is made in `Workspace` before the loop; the greedy path
-allocates no arrays per step (tests/runtime/test_no_alloc.py). Top-k / top-p sampling
-allocates inside `probs_from_logits` (a sort), as documented there.
+allocates no arrays per step (tests/test_real_model.py::test_greedy_decode_loop_allocates_no_arrays).
+Top-k / top-p sampling allocates inside `probs_from_logits` (a sort), as documented there.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import numpy as np
 
+from specrt.runtime import trace
+from specrt.runtime.backends.base import ModelRunner as Model
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
-
-
-class Model(Protocol):
-    """What the loop needs of a backend model (OrtModel implements it)."""
-    cache: object  # has .length, .rewind_to(n)
-
-    def step(self, graph: str, tokens, start: int) -> np.ndarray:  # -> logits [n, V]
-        ...
 
 
 @dataclass(frozen=True)
@@ -63,9 +57,11 @@ def _choose(logits_row: np.ndarray, params: SamplingParams, rng, out: np.ndarray
 def prefill(model: Model, graph_tokens: int, prompt: list[int]) -> np.ndarray:
     """Feed the prompt in static chunks; returns the logits row of its last token."""
     last = None
+    trace.push("prefill")
     for start in range(0, len(prompt), graph_tokens):
         chunk = prompt[start:start + graph_tokens]
         last = model.step("prefill", chunk, start)[len(chunk) - 1]
+    trace.pop()
     model.cache.rewind_to(len(prompt))
     return last
 
@@ -84,11 +80,16 @@ def plain_decode(target: Model, first_logits: np.ndarray, start: int, budget: in
             if i == budget - 1:
                 break
             t0 = time.perf_counter()
-            logits = target.step("decode", (tok,), length)[0]
+            trace.push("decode")
+            if params.greedy:    # the backend chooses: a device backend reads back one integer
+                target.argmax_step("decode", (tok,), length, ws.argmax[:1])
+                tok = int(ws.argmax[0])
+            else:
+                tok = _choose(target.step("decode", (tok,), length)[0], params, rng, ws.scratch)
+            trace.pop()
             metrics.time_verify += time.perf_counter() - t0
             length += 1
             metrics.iterations += 1
-            tok = _choose(logits, params, rng, ws.scratch)
     finally:
         target.cache.rewind_to(length)
 
@@ -116,23 +117,34 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
         while emitted < budget:
             k_eff = min(k, budget - emitted - 1)   # the verify pass emits up to k_eff + 1
             t0 = time.perf_counter()
+            trace.push("draft")
             if not shared_cache:               # feed what the draft has not seen (e.g. a bonus token's predecessor)
                 while d_len < length:
                     draft.step("decode", (seq[d_len],), d_len)
                     d_len += 1
             x = vt[0] = cur                  # verify window: [cur, x1..x_k_eff]
             for j in range(k_eff):
-                q_logits = draft.step("decode", (x,), length + j)[0]
                 if params.greedy:
-                    x = int(np.argmax(q_logits))
+                    draft.argmax_step("decode", (x,), length + j, ws.draft_tokens[j:j + 1])
+                    x = int(ws.draft_tokens[j])
                 else:
-                    x = sample(probs_from_logits(q_logits, params, ws.q[j]), rng)
-                ws.draft_tokens[j] = x
+                    x = sample(probs_from_logits(draft.step("decode", (x,), length + j)[0], params, ws.q[j]), rng)
+                    ws.draft_tokens[j] = x
                 vt[j + 1] = x
+            trace.pop()
             t1 = time.perf_counter()
-            p_logits = target.step("verify", vt[:k_eff + 1] if k_eff < k else vt, length)
+            trace.push("verify")
+            window = vt[:k_eff + 1] if k_eff < k else vt
+            if params.greedy:                # [k_eff+1] target choices, no logits rows on the host
+                target.argmax_step("verify", window, length, ws.argmax[:k_eff + 1])
+                p_logits = None
+            else:
+                p_logits = target.step("verify", window, length)
+            trace.pop()
             t2 = time.perf_counter()
+            trace.push("accept")
             verdict = _verify(p_logits, k_eff, params, rng, ws)
+            trace.pop()
             t3 = time.perf_counter()
             metrics.time_draft += t1 - t0
             metrics.time_verify += t2 - t1
@@ -161,10 +173,10 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
             draft.cache.rewind_to(min(d_len, committed))
 
 
-def _verify(p_logits: np.ndarray, k_eff: int, params: SamplingParams, rng, ws: Workspace) -> Verdict:
-    # p_logits: [k_eff+1, V] target logits at [cur, x1..x_k_eff]
+def _verify(p_logits: np.ndarray | None, k_eff: int, params: SamplingParams, rng, ws: Workspace) -> Verdict:
+    # greedy: ws.argmax[:k_eff+1] holds the target's choices at [cur, x1..x_k_eff];
+    # sampled: p_logits [k_eff+1, V] are the target's logits there
     if params.greedy:
-        np.argmax(p_logits, axis=-1, out=ws.argmax[:k_eff + 1])
         return verify_greedy(ws.argmax[:k_eff + 1], ws.draft_tokens[:k_eff])
     for i in range(k_eff + 1):
         probs_from_logits(p_logits[i], params, ws.p[i])

@@ -6,6 +6,7 @@ that picks the backend a manifest was built for.
               ├─ check_device(manifest)        refuses engines built elsewhere, says what to rebuild
               └─ open_model(root, entry, shapes, cache=..., graphs=..., ...) ─► ModelRunner
                     .step(graph, tokens, start) -> logits [n, V] (host, reused buffer)
+                    .argmax_step(graph, tokens, start, out)  greedy: n integers, no logits rows
                     .cache: Cache (.length, .capacity, .rewind_to(n))
 
 The loop sees only ModelRunner and Cache. A device backend (ONNX Runtime CUDA,
@@ -42,6 +43,11 @@ class ModelRunner(Protocol):
     shares_cache: bool
 
     def step(self, graph: str, tokens: Sequence[int], start: int) -> np.ndarray: ...
+
+    def argmax_step(self, graph: str, tokens: Sequence[int], start: int, out: np.ndarray) -> None:
+        """Like step, but write only each row's argmax into out [n] int64 (greedy decoding):
+        a device backend computes it on the device and reads back n integers."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,10 @@ class OrtModel:
                                       str(Path(profile_dir) / f"{entry.role}-{g}") if profile_dir else None)
                        for g in names}
 
+    def argmax_step(self, graph: str, tokens, start: int, out: np.ndarray) -> None:
+        """Greedy choice of each row, into out [n] int64 (no allocation)."""
+        np.argmax(self.step(graph, tokens, start), axis=-1, out=out)
+
     def end_profiling(self) -> dict[str, str]:
         """Stop profiling; graph -> the Chrome-trace JSON file ONNX Runtime wrote."""
         return {g: r.session.end_profiling() for g, r in self.graphs.items()}
