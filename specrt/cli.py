@@ -27,17 +27,25 @@ def cmd_build(a) -> int:
             raise SpecrtError(f"unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
         if not a.target:
             a.target = _preset_model(PRESETS[a.preset].target)
+        if not a.out and a.precision not in (None, "fp32"):   # keep the fp32 reference engines where they are
+            a.out = f"{PRESETS[a.preset].out}-{a.precision}"
         cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
-                                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention)
+                                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention,
+                                      **_precision_args(a))
     else:
         if not (a.target and a.out):
             raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
         cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
                                                             prefill_chunk=a.prefill_chunk, k=a.k,
-                                                            attention=a.attention)
+                                                            attention=a.attention, **_precision_args(a))
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
+
+
+def _precision_args(a) -> dict:
+    lm = {None: None, "quantized": True, "fp32": False}[a.lm_head]
+    return dict(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level, quantize_lm_head=lm)
 
 
 def _preset_model(rel: str) -> str:
@@ -104,7 +112,7 @@ def cmd_bench(a) -> int:
         _no_draft_hint(e)
     report = run_bench(a.engines, prompts=a.prompts, max_new_tokens=a.max_new_tokens, rounds=a.rounds, k=a.k,
                        threads=a.threads, sampling=_sampling(a), hf_reference=a.hf_reference, memory=a.memory,
-                       out=print)
+                       lookup=a.lookup, out=print)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -163,6 +171,13 @@ def main(argv=None) -> int:
     b.add_argument("--max-context", type=int)
     b.add_argument("--prefill-chunk", type=int)
     b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
+    b.add_argument("--precision", choices=("fp32", "int8", "int4"),
+                   help="the target's weights: fp32 (default, the exact reference), int8 or int4 (ONNX Runtime "
+                        "MatMulNBits; a preset then writes to <preset out>-<precision>)")
+    b.add_argument("--block-size", type=int, help="int8/int4: weights per quantization block (default 32)")
+    b.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
+                   help="int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: see README)")
+    b.add_argument("--lm-head", choices=("quantized", "fp32"), help="int8/int4: quantize the LM head or keep it fp32")
     b.add_argument("--attention", choices=("gqa", "portable", "standard"),
                    help="gqa (default): ONNX Runtime's fused GroupQueryAttention, KV written in place; "
                         "portable: standard ONNX ops only; standard: opset-24 TensorScatter + Attention, "
@@ -196,11 +211,14 @@ def main(argv=None) -> int:
     g.set_defaults(fn=cmd_generate)
 
     be = sub.add_parser("bench", help="plain vs speculative on the same prompts, interleaved, in one run")
-    be.add_argument("engines")
+    be.add_argument("engines", nargs="+", help="one or more folders written by `specrt build` (e.g. fp32, int8 and "
+                    "int4 targets): interleaved prompt by prompt in one run")
     be.add_argument("--prompts", type=_positive_int, default=8, help="how many built-in prompts")
     be.add_argument("--rounds", type=_positive_int, default=1)
     be.add_argument("--hf-reference", metavar="MODEL", help="also time Hugging Face generate on this model source")
     be.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    be.add_argument("--lookup", type=int, default=0, metavar="N",
+                    help="also run greedy prompt lookup (no draft model) with N-gram matches, e.g. 1 or 2")
     sampling_args(be)
     be.set_defaults(fn=cmd_bench)
 

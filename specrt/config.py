@@ -12,6 +12,20 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
                "(dynamic INT8 copy, shared cache), 'none', 'truncate:N' (the target's first N layers, own cache), "
                "or a path to a draft model with the same tokenizer")
 
+# the target's precision -> how its weights are quantized (calibration.quantize.QuantSpec).
+# Chosen by measurement on SmolLM2-135M, 2 cores (README "Precision"): int8 compute
+# (accuracy_level 4) with a decode graph that runs the multi-row kernels, so plain and
+# speculative decoding agree bit for bit (calibration/rows.py); fp32 compute (1) makes
+# the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
+# more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
+PRECISIONS = {
+    "fp32": None,
+    "int8": {"method": "matmulnbits", "bits": 8, "block_size": 32, "accuracy_level": 4, "lm_head": True},
+    # asymmetric blocks: top-1 agreement with fp32 0.70 vs 0.69 symmetric (8 prompts, 264 positions)
+    "int4": {"method": "matmulnbits", "bits": 4, "block_size": 32, "accuracy_level": 4, "lm_head": True,
+             "symmetric": False},
+}
+
 
 @dataclass(frozen=True)
 class BuildConfig:
@@ -23,6 +37,10 @@ class BuildConfig:
     k: int = 4
     threads: int = 2
     attention: str = "gqa"    # "gqa": ORT's fused GroupQueryAttention, in-place KV; "portable": standard ONNX ops
+    precision: str = "fp32"   # the target's weights: "fp32" (the exact reference), "int8" or "int4" (PRECISIONS)
+    block_size: int | None = None        # int8/int4: weights per quantization block along K (default: PRECISIONS)
+    accuracy_level: int | None = None    # int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: PRECISIONS)
+    quantize_lm_head: bool | None = None  # int8/int4: quantize the LM head too (default: PRECISIONS)
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -36,6 +54,14 @@ class BuildConfig:
         if self.attention not in ("gqa", "portable", "standard"):
             raise SpecrtError(f"attention={self.attention!r}; choose 'gqa' (ONNX Runtime, fastest), 'portable' "
                               "(standard ONNX ops only) or 'standard' (opset-24 ops, for TensorRT)")
+        if self.precision not in PRECISIONS:
+            raise SpecrtError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 16
+                                            or self.block_size & (self.block_size - 1)):
+            raise SpecrtError(f"block_size={self.block_size!r} must be a power of two >= 16 (e.g. 32, 64, 128)")
+        if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise SpecrtError(f"accuracy_level={self.accuracy_level!r}: MatMulNBits takes 0-4 "
+                              "(1 = fp32 compute, 4 = int8 compute)")
         kind = self.draft_kind
         if kind == "truncate" and self.truncate_layers < 1:
             raise SpecrtError(f"draft={self.draft!r}: N must be a positive integer")
@@ -60,6 +86,16 @@ class BuildConfig:
             return int(self.draft.split(":", 1)[1])
         except ValueError:
             raise SpecrtError(f"draft={self.draft!r}: expected truncate:N with N an integer") from None
+
+    @property
+    def target_quantization(self) -> dict | None:
+        """How the target's weights are quantized (None for fp32): PRECISIONS' choice, with
+        this config's overrides."""
+        base = PRECISIONS[self.precision]
+        if base is None:
+            return None
+        over = {"block_size": self.block_size, "accuracy_level": self.accuracy_level, "lm_head": self.quantize_lm_head}
+        return {**base, **{k: v for k, v in over.items() if v is not None}}
 
     def as_dict(self) -> dict:
         return asdict(self)

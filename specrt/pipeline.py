@@ -61,21 +61,28 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
     if kind == "model":   # refuse a mismatched draft before the long export
         dm = sources.load_source(cfg.draft)
         _check_same_tokenizer(tgt, dm)
-    part = onnx_export.export_model(tgt, shapes, tmp / "target", attention=cfg.attention,
+    # the fp32 export is the target itself, or the source of a quantized target (and of an int8 draft)
+    fp32_dir = tmp / ("target" if cfg.precision == "fp32" else "_fp32")
+    fp32 = onnx_export.export_model(tgt, shapes, fp32_dir, attention=cfg.attention,
                                     progress=lambda g: step(f"target {g} exported"))
-    part["parity"] = parity.check_parity(tgt.model, tmp / "target", part, shapes, rtol=tgt.spec.parity_rtol)
+    fp32["parity"] = parity.check_parity(tgt.model, fp32_dir, fp32, shapes, rtol=tgt.spec.parity_rtol)
     tok_info = _save_tokenizer(tgt, tmp)
-    part.update(subdir="target", family=tgt.spec.family, precision="fp32",
-                source={**tgt.identity, "tokenizer_sha256": tok_info["sha256"]},
+    part = _quantized_target(cfg, tgt, fp32_dir, fp32, tmp / "target", _prompt_ids(tgt)) \
+        if cfg.precision != "fp32" else fp32
+    part["parity"]["identity"] = _check_identity(cfg, tmp / "target", part, _prompt_ids(tgt))
+    part.update(subdir="target", family=tgt.spec.family, precision=cfg.precision,
+                source={**tgt.identity, **part.pop("derived", {}), "tokenizer_sha256": tok_info["sha256"]},
                 kv=_kv(cfg, None))
     parts = {"target": part}
     step("target parity checked")
 
     if kind in ("int8", "int8-dynamic"):
         method = "blockwise" if kind == "int8" else "dynamic"
-        d = int8.quantize_model(tmp / "target", part, tmp / "draft", graphs=("decode",), method=method)
+        d = int8.quantize_model(fp32_dir, fp32, tmp / "draft", graphs=("decode",), method=method)
         step("draft quantized")
-        agreement = measure.draft_agreement(tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt),
+        # the gate compares the draft with its own source, the fp32 export (a quantized target
+        # differs from it by its own quantization error, which says nothing about the draft)
+        agreement = measure.draft_agreement(fp32_dir, fp32, tmp / "draft", d, shapes, _prompt_ids(tgt),
                                             shared_cache=True)
         agreement["min_top1_agreement"] = MIN_INT8_AGREEMENT
         if agreement["top1_agreement"] < MIN_INT8_AGREEMENT:
@@ -85,9 +92,12 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
                 f"positions (tolerance: at least {MIN_INT8_AGREEMENT:.0%}); the quantization is broken for this "
                 "model: try --draft int8-dynamic, another draft, or --draft none")
         d["parity"] = {"agreement_with_target": agreement}
+        if cfg.precision != "fp32":   # what acceptance follows: agreement with the quantized target itself
+            d["parity"] = {"agreement_with_fp32_target": agreement, "agreement_with_target": measure.draft_agreement(
+                tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=True)}
         d.update(subdir="draft", family=tgt.spec.family, precision="int8-" + method,
-                 source={**tgt.identity, "derived": f"int8 ({method}) copy of the target",
-                         "tokenizer_sha256": tok_info["sha256"]},
+                 source={**tgt.identity, "derived": f"int8 ({method}) copy of the fp32 target",
+                         "quantization": d.pop("quantization"), "tokenizer_sha256": tok_info["sha256"]},
                  kv=_kv(cfg, "target"))
         parts["draft"] = d
     elif kind in ("truncate", "model"):
@@ -110,12 +120,72 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
                  source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
                  kv=_kv(cfg, None))
         parts["draft"] = d
+    if fp32_dir.name == "_fp32":
+        shutil.rmtree(fp32_dir)
     build_info = {"config": cfg.as_dict(), "seconds": round(time.perf_counter() - t_start, 1)}
     ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
     return out
+
+
+def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:
+    """The target's prefill/decode/verify graphs quantized as cfg.precision says, with
+    their agreement with the fp32 export measured on real prompts. With int8 compute the
+    decode graph is exported for 2 rows and given a one-token interface (calibration/rows.py),
+    so plain decoding runs the verify pass's kernels and rounds exactly as it does."""
+    from specrt.calibration import identity, quantize, rows
+    from specrt.export import onnx_export
+    spec = quantize.QuantSpec(**cfg.target_quantization)
+    source, wrap = fp32, None
+    if spec.accuracy_level == 4:
+        name = f"decode_rows{rows.ROWS}.onnx"
+        module = onnx_export.build_module(tgt, rows.ROWS, cfg.shapes.kv_capacity, attention=cfg.attention)
+        onnx_export.export_graph(module, fp32_dir / name)
+        source = {**fp32, "graphs": {**fp32["graphs"], "decode": {**fp32["graphs"]["decode"], "file": name}}}
+        wrap = {"decode": rows.one_token_interface}
+    part = quantize.quantize_graphs(fp32_dir, source, out_dir, ("prefill", "decode", "verify"), spec, wrap=wrap)
+    how = part.pop("quantization")
+    how["decode_graph"] = (f"exported for T={rows.ROWS} with a one-token interface (one padding row): the "
+                           "multi-row int8-compute kernels of the verify pass" if wrap else "exported for T=1")
+    # the export's parity vs torch describes the fp32 graphs, not these: kept, but under its own key
+    part["parity"] = {"fp32_export": fp32["parity"],
+                      "agreement_with_fp32": identity.target_agreement(fp32_dir, fp32, out_dir, part, cfg.shapes,
+                                                                       prompts)}
+    part["derived"] = {"derived": f"{cfg.precision} ({how['method']}, {how.get('bits')}-bit, block "
+                                  f"{how.get('block_size')}, {how.get('compute')} compute, LM head "
+                                  f"{'quantized' if how['lm_head_quantized'] else 'fp32'}) of the fp32 export",
+                       "quantization": how}
+    return part
+
+
+def _check_identity(cfg: BuildConfig, model_dir: Path, part: dict, prompts) -> dict:
+    """Greedy speculation reproduces plain decoding only if the verify graph's rows pick
+    the tokens the one-token graph picks: refuse a target whose graphs disagree."""
+    from specrt.calibration import identity
+    from specrt.errors import ParityError
+    r = identity.decode_verify_agreement(model_dir, part, cfg.shapes, prompts)
+    q = cfg.target_quantization
+    r["plain_decoding"] = ("the decode graph: T=2 kernels behind a one-token interface (as the verify graph's rows)"
+                           if q and q.get("accuracy_level") == 4 else "the decode graph (T=1)") \
+        + f"; speculation verifies with the verify graph (T={cfg.k + 1})"
+    r["guarantee"] = ("bit for bit: every verify row equals the decode row" if r["bitwise_equal"] else
+                      "argmax on the calibration prompts (rows differ by rounding only)")
+    if r["argmax_flips"]:
+        if q is None:   # fp32: T=1 and T=k+1 kernels differ by float rounding (~1e-4), here at a near-tie
+            fix = ("the fp32 graphs round a near-tie differently; rebuild with another --k or --precision int8 "
+                   "(plain decoding then runs the verify pass's kernels and agrees bit for bit)")
+        elif q.get("accuracy_level") != 4:
+            fix = ("rebuild with --accuracy-level 4 (int8 compute; plain decoding then runs the verify pass's "
+                   "multi-row kernels and agrees bit for bit) or --precision fp32")
+        else:
+            fix = "rebuild with --accuracy-level 1 (fp32 compute, rows differ by float rounding only) or --precision fp32"
+        raise ParityError(
+            f"the {cfg.precision} target's verify graph (T={cfg.k + 1}) picks another token than its decode graph "
+            f"(T=1) at {r['argmax_flips']} of {r['rows']} positions (max |delta logit| "
+            f"{r['max_abs_logit_delta']:.3g}): greedy speculative output would differ from plain decoding; {fix}")
+    return r
 
 
 def _kv(cfg: BuildConfig, shares: str | None) -> dict:

@@ -1,0 +1,118 @@
+"""Weight-only quantization of exported graphs, repacked into one shared weights file.
+
+Every graph of a model (prefill, decode, verify) is quantized with the same settings,
+so equal weight names hold equal bytes and `export.weights.pack` stores them once, as
+the export does for fp32.
+
+Methods (ONNX Runtime's own tools; no hand-written quantizer):
+- "matmulnbits": `MatMulNBitsQuantizer`, b-bit weights in blocks of `block_size` along
+  K, symmetric. `accuracy_level` picks the compute type of the kernel: 1 = fp32
+  (blocks are dequantized, activations stay fp32), 4 = int8 (activations quantized
+  per row and block at run time: faster, and each row is rounded on its own).
+- "dynamic": `quantize_dynamic`, per-channel int8 weights, int8 activations with one
+  scale per tensor computed at run time (so a row's result depends on the other rows
+  of the same call: decode T=1 and verify T=k+1 round differently).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+
+from specrt import manifest as mf
+from specrt.export import weights as wpack
+
+METHODS = ("matmulnbits", "dynamic")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str = "matmulnbits"
+    bits: int = 8
+    block_size: int = 32
+    accuracy_level: int = 4
+    symmetric: bool = True
+    lm_head: bool = True        # quantize the LM head MatMul too ([hidden, vocab], ~1/5 of the weights here)
+
+    def __post_init__(self):
+        assert self.method in METHODS, self.method
+        assert self.bits in (4, 8), self.bits
+
+    def describe(self) -> dict:
+        """What the manifest records about how the weights were made."""
+        if self.method == "dynamic":
+            return {"method": "onnxruntime quantize_dynamic", "weight_type": "int8", "per_channel": True,
+                    "activations": "int8, one dynamic scale per tensor", "lm_head_quantized": self.lm_head}
+        return {"method": "onnxruntime MatMulNBits", **{k: v for k, v in asdict(self).items() if k != "method"},
+                "lm_head_quantized": self.lm_head,
+                "compute": {1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}.get(self.accuracy_level, "default")}
+
+
+@contextlib.contextmanager
+def quiet_logging(level: int = logging.ERROR):
+    """ORT's quantizers log notices on the root logger ("consider pre-processing", one
+    line per node): silence them for the call only, then restore the previous levels."""
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime.quantization")]
+    before = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(max(level, lg.level))
+        yield
+    finally:
+        for lg, lvl in zip(loggers, before):
+            lg.setLevel(lvl)
+
+
+def lm_head_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
+    """MatMul nodes whose constant weight is [hidden, vocab]: the LM head."""
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    return [n.name for n in model.graph.node
+            if n.op_type == "MatMul" and len(shapes.get(n.input[1], ())) == 2 and shapes[n.input[1]][1] == vocab]
+
+
+def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
+    with quiet_logging():
+        if spec.method == "dynamic":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+            exclude = [] if spec.lm_head else lm_head_nodes(onnx.load(str(src), load_external_data=False), vocab)
+            # MatMulConstBOnly: only weight MatMuls; attention MatMuls against the cache stay fp32
+            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                             use_external_data_format=True, nodes_to_exclude=exclude,
+                             extra_options={"MatMulConstBOnly": True})
+            return
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        model = onnx.load(str(src))
+        exclude = [] if spec.lm_head else lm_head_nodes(model, vocab)
+        q = MatMulNBitsQuantizer(model, bits=spec.bits, block_size=spec.block_size, is_symmetric=spec.symmetric,
+                                 accuracy_level=spec.accuracy_level, nodes_to_exclude=exclude)
+        q.process()
+        q.model.save_model_to_file(str(dst), use_external_data_format=True)
+
+
+def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple[str, ...], spec: QuantSpec,
+                    wrap: dict | None = None) -> dict:
+    """Quantize `graphs` of an exported model into out_dir (graph files + one weights.bin).
+    wrap: graph -> function applied to its quantized ModelProto before packing (see rows.py).
+    Returns the manifest fragment: graphs, weights index, dims, quantization."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = int(export["dims"]["vocab"])
+    protos = {}
+    with tempfile.TemporaryDirectory(prefix="specrt-quant-") as tmp:
+        for g in graphs:
+            dst = Path(tmp) / f"{g}.onnx"
+            quantize_graph(export_dir / export["graphs"][g]["file"], dst, spec, vocab)
+            protos[g] = onnx.load(str(dst))
+            if wrap and g in wrap:
+                protos[g] = wrap[g](protos[g])
+    winfo = wpack.pack(protos, out_dir)
+    entries = {}
+    for g, proto in protos.items():
+        path = out_dir / f"{g}.onnx"
+        onnx.save(proto, str(path))
+        entries[g] = {"file": path.name, "tokens": export["graphs"][g]["tokens"], "sha256": mf.sha256_file(path)}
+    winfo["sha256"] = mf.sha256_file(out_dir / winfo["file"])
+    return {"graphs": entries, "weights": winfo, "dims": export["dims"], "quantization": spec.describe()}
