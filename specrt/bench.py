@@ -17,6 +17,8 @@ from specrt.runtime import SamplingParams, SpeculativeGenerator
 def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: str):
     eos = gen.tokenizer.eos_token_ids
     toks = []
+    if method == "speculative" and gen.draft is None:
+        method = "lookup"    # engines built with --draft none: prompt lookup is their speculation (greedy)
     for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling, method=method):
         toks.append(e.token)
         if e.token in eos:

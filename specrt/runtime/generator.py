@@ -35,11 +35,12 @@ from specrt.errors import (
 )
 from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
 from specrt.runtime.metrics import Metrics
+from specrt.runtime.proposers import lookup_decode
 from specrt.runtime.backends import backend_for
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import IncrementalDecoder, Tokenizer
 
-METHODS = ("speculative", "plain")
+METHODS = ("speculative", "plain", "lookup")   # lookup: prompt lookup (n-gram), greedy, no draft model
 
 
 @dataclass
@@ -96,7 +97,7 @@ class SpeculativeGenerator:
                 f"rebuild with --k {k} for a larger window")
         if memory not in self.backend.memory_modes:
             raise SamplingParamsError(f"memory={memory!r}; choose one of {self.backend.memory_modes}")
-        self.methods = tuple(methods) if methods is not None else (METHODS if man.draft else ("plain",))
+        self.methods = tuple(methods) if methods is not None else (METHODS if man.draft else ("plain", "lookup"))
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
         if "speculative" in self.methods and man.draft is None:
@@ -124,8 +125,8 @@ class SpeculativeGenerator:
     def _load(self, man: mf.Manifest, threads: int, memory: str, profile_dir) -> None:
         extra = {"profile_dir": Path(profile_dir)} if profile_dir else {}
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
-        target_graphs = ("prefill",) + (("decode",) if "plain" in self.methods else ()) \
-            + (("verify",) if "speculative" in self.methods else ())
+        target_graphs = ("prefill",) + (("decode",) if {"plain", "lookup"} & set(self.methods) else ()) \
+            + (("verify",) if {"speculative", "lookup"} & set(self.methods) else ())
         self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
                                graphs=target_graphs, **extra)
         self.draft = None
@@ -164,10 +165,18 @@ class SpeculativeGenerator:
         return self.tokenizer.encode(prompt)
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-               method: str = "speculative") -> Iterator[Emitted]:
+               method: str = "speculative", ngram: int = 2) -> Iterator[Emitted]:
         """Yield generated tokens as they become final (EOS included; the caller stops).
-        Arguments are checked here, before the first token is asked for."""
+        Arguments are checked here, before the first token is asked for.
+        method: "speculative" (draft model), "plain", or "lookup" (prompt lookup: proposes the
+        continuation of the latest earlier match of the last `ngram` tokens; greedy only)."""
         sampling = sampling or SamplingParams()
+        if method == "lookup":
+            if not sampling.greedy:
+                raise SamplingParamsError("method='lookup' (prompt lookup) is greedy only: use temperature=0, or "
+                                          "method='speculative' / 'plain' to sample")
+            if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < 1:
+                raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match)")
         if method not in METHODS:
             raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
         if method not in self.methods:
@@ -190,9 +199,9 @@ class SpeculativeGenerator:
         if max(prompt_ids) >= self.vocab or min(prompt_ids) < 0:
             raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab}): encode the prompt with "
                                          "this build's tokenizer (pass text, or gen.tokenizer.encode(text))")
-        return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method)
+        return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram)
 
-    def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method) -> Iterator[Emitted]:
+    def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram=2) -> Iterator[Emitted]:
         if not self._busy.acquire(blocking=False):
             gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
             if not self._busy.acquire(blocking=False):
@@ -201,13 +210,13 @@ class SpeculativeGenerator:
                     "thread is using it); its caches hold one generation at a time: finish or close() the other "
                     "stream first, or give each thread or worker its own SpeculativeGenerator")
         try:
-            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method)
+            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram)
         finally:
             self._busy.release()
 
-    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method) -> Iterator[Emitted]:
+    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram) -> Iterator[Emitted]:
         P = len(prompt_ids)
-        m = self.last_metrics = Metrics(method=method, k=self.k if method == "speculative" else 0, prompt_tokens=P)
+        m = self.last_metrics = Metrics(method=method, k=0 if method == "plain" else self.k, prompt_tokens=P)
         rng = np.random.default_rng(sampling.seed)
         t_start = time.perf_counter()
         try:
@@ -217,6 +226,9 @@ class SpeculativeGenerator:
             m.time_prefill = time.perf_counter() - t_start
             if method == "plain":
                 inner = plain_decode(self.target, first, P, budget, sampling, rng, self.ws, m)
+            elif method == "lookup":
+                inner = lookup_decode(self.target, first, P, budget, m, seq=list(prompt_ids), n=ngram, k=self.k,
+                                      choices=self.ws.argmax)
             else:
                 inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
                                            draft_start=P, shared_cache=self.draft.shares_cache,
@@ -230,7 +242,7 @@ class SpeculativeGenerator:
     # --- text level -------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
-               system: str | None = None, method: str = "speculative") -> Iterator[Chunk]:
+               system: str | None = None, method: str = "speculative", ngram: int = 2) -> Iterator[Chunk]:
         """Yield text chunks as tokens are accepted; stops on EOS, a stop string, the token
         budget or the maximum context (`last_metrics.finish_reason` says which)."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
@@ -238,7 +250,7 @@ class SpeculativeGenerator:
         dec = IncrementalDecoder(self.tokenizer)
         stop = _stop_strings(stop)
         held = ""   # text not yet released because it may be the start of a stop string
-        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method)
+        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram)
         with _closing(gen):
             for e in gen:
                 if e.token in eos:

@@ -66,7 +66,8 @@ def predicted_lookup_speedup(stats: Sequence[LookupStats], t_decode: float, t_ve
     return tokens * t_decode / cost if cost else 0.0
 
 
-def lookup_decode(target, first_logits, start: int, budget: int, metrics, *, seq: list[int], n: int, k: int):
+def lookup_decode(target, first_logits, start: int, budget: int, metrics, *, seq: list[int], n: int, k: int,
+                  choices=None):
     """Greedy decoding with prompt lookup as the proposer (no draft model): a round with a
     match verifies [cur, guess...] in one target pass and keeps the agreeing prefix plus
     the target's next token; a round without one is a plain decode step. Yields
@@ -74,7 +75,8 @@ def lookup_decode(target, first_logits, start: int, budget: int, metrics, *, seq
 
     Identical to plain greedy decoding wherever the verify rows pick what the decode graph
     picks (recorded at build time in parity.identity).
-    seq: the prompt; emitted tokens are appended (the lookup reads it)."""
+    seq: the prompt; emitted tokens are appended (the lookup reads it). choices: an int64
+    buffer of at least k+1 for the backend's argmax (allocated here if not given)."""
     import time
 
     import numpy as np
@@ -83,6 +85,7 @@ def lookup_decode(target, first_logits, start: int, budget: int, metrics, *, seq
 
     length = start
     emitted = 0
+    best = np.zeros(k + 1, np.int64) if choices is None else choices
     try:
         cur = int(np.argmax(first_logits))
         seq.append(cur)
@@ -91,15 +94,15 @@ def lookup_decode(target, first_logits, start: int, budget: int, metrics, *, seq
         while emitted < budget:
             guess = lookup(seq, n, min(k, budget - emitted - 1))
             t0 = time.perf_counter()
-            if guess:
-                p = target.step("verify", [cur, *guess], length)          # [len(guess)+1, V]
-                best = p.argmax(-1)
+            if guess:                    # the target's choices at [cur, guess...], from the backend
+                target.argmax_step("verify", [cur, *guess], length, best[:len(guess) + 1])
                 accepted = 0
                 while accepted < len(guess) and best[accepted] == guess[accepted]:
                     accepted += 1
                 nxt = int(best[accepted])
             else:
-                accepted, nxt = 0, int(np.argmax(target.step("decode", (cur,), length)[0]))
+                target.argmax_step("decode", (cur,), length, best[:1])
+                accepted, nxt = 0, int(best[0])
             metrics.time_verify += time.perf_counter() - t0
             metrics.record_iteration(len(guess), accepted)
             for tok in guess[:accepted]:

@@ -39,3 +39,38 @@ def test_greedy_prompt_lookup_gives_plain_decodings_tokens(gen, prompt):
     plain = [e.token for e in gen.tokens(prompt, max_new_tokens=40, method="plain")]
     toks, _, m = _run_lookup(gen, prompt, 40, 1)
     assert toks == plain[:len(toks)] and m.iterations <= len(toks)
+
+
+def test_the_lookup_method_equals_plain_decoding_and_needs_no_draft(tiny_pair, tmp_path):
+    from conftest import build_tiny
+
+    from specrt.errors import SamplingParamsError
+    from specrt.runtime import SamplingParams, SpeculativeGenerator
+    d = build_tiny(tmp_path / "plain", tiny_pair[0], "none")
+    gen = SpeculativeGenerator(d)
+    assert gen.methods == ("plain", "lookup")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]          # repeats: lookup has matches to propose
+    drafted = 0
+    for ngram in (1, 2, 3):
+        plain = [e.token for e in gen.tokens(prompt, max_new_tokens=40, method="plain")]
+        look = [e.token for e in gen.tokens(prompt, max_new_tokens=40, method="lookup", ngram=ngram)]
+        assert look == plain
+        drafted += gen.last_metrics.drafted
+    assert drafted > 0          # the verify path ran, not only one-token steps
+    with pytest.raises(SamplingParamsError):
+        gen.tokens(prompt, method="lookup", sampling=SamplingParams(temperature=0.7))
+    with pytest.raises(SamplingParamsError):
+        gen.tokens(prompt, method="lookup", ngram=0)
+
+
+def test_cli_generate_and_bench_run_prompt_lookup_on_engines_without_a_draft(tiny_pair, tmp_path, capsys):
+    from conftest import build_tiny
+
+    from specrt import cli
+    d = build_tiny(tmp_path / "plain", tiny_pair[0], "none", max_context=480)
+    capsys.readouterr()
+    assert cli.main(["generate", str(d), "abcabcabc", "--raw", "--lookup", "2", "--max-new-tokens", "6"]) == 0
+    assert cli.main(["bench", str(d), "--prompts", "1", "--max-new-tokens", "6"]) == 0
+    assert "outputs identical: yes" in capsys.readouterr().out
+    assert cli.main(["bench", str(d), "--prompts", "1", "--max-new-tokens", "6", "--temperature", "0.5"]) == 2
+    assert "greedy only" in capsys.readouterr().err
