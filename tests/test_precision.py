@@ -146,3 +146,12 @@ def test_a_quantized_target_builds_without_a_draft_and_decodes_plainly(tmp_path,
     assert "draft" not in man["models"] and man["models"]["target"]["precision"] == "int4"
     g = SpeculativeGenerator(out)
     assert len(_tokens(g, PROMPTS[1], 20, "plain")) == 20
+
+
+def test_inspect_shows_how_a_quantized_target_was_made_and_its_identity(int4_engines, capsys):
+    from specrt import cli
+    assert cli.main(["inspect", str(int4_engines)]) == 0
+    out = capsys.readouterr().out
+    assert "[target] llama int4" in out and "4-bit, block" in out
+    assert "parity   fp32 export decode" in out
+    assert "identity decode vs verify: 0 argmax flips" in out and "vs fp32  top-1 agreement" in out
