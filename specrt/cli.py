@@ -137,6 +137,24 @@ def cmd_profile(a) -> int:
     return 0
 
 
+def cmd_quality(a) -> int:
+    from specrt.calibration.dataset import load_prompts, split
+    from specrt.calibration.quality import quality_table
+    if a.json:
+        _check_output_file(a.json)
+    held_out = split(load_prompts(a.prompts))[1][:a.eval]
+    report = quality_table(a.engines, a.reference, [p.text for p in held_out],
+                           new_tokens=a.new_tokens, threads=a.threads, out=print)
+    report["prompt_file"] = a.prompts or "shipped (specrt/calibration/data/prompts.jsonl)"
+    report["prompt_ids"] = [p.id for p in held_out]
+    for row in report["variants"]:
+        row["greedy_mismatch_ids"] = [held_out[i].id for i in row["greedy_mismatch_prompts"]]
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def cmd_inspect(a) -> int:
     from specrt import manifest as mf
     from specrt.inspect import describe
@@ -240,6 +258,19 @@ def main(argv=None) -> int:
     pr.add_argument("--threads", type=_positive_int, default=2)
     pr.add_argument("--top", type=_positive_int, default=8, help="operator types shown per graph")
     pr.set_defaults(fn=cmd_profile)
+
+    q = sub.add_parser("quality", help="each engine folder against the fp32 reference on held-out prompts: "
+                       "top-1 agreement, KL, max |delta logit|, greedy exact match, step costs")
+    q.add_argument("engines", nargs="+", help="folders written by `specrt build` (list the reference too for "
+                   "its 1.000 row)")
+    q.add_argument("--reference", required=True, help="the fp32 engine folder, e.g. artifacts/smollm2")
+    q.add_argument("--prompts", metavar="FILE", help=".jsonl (a \"prompt\" field) or one prompt per line; "
+                   "its held-out part is used (default: the shipped calibration set)")
+    q.add_argument("--eval", type=_positive_int, default=16, help="held-out prompts to measure on")
+    q.add_argument("--new-tokens", type=_positive_int, default=32, help="greedy tokens per prompt")
+    q.add_argument("--threads", type=_positive_int, default=2)
+    q.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    q.set_defaults(fn=cmd_quality)
 
     i = sub.add_parser("inspect", help="print a manifest readably")
     i.add_argument("engines")
