@@ -1,7 +1,13 @@
 """Shared fixtures: tiny random models exported once per session, and the real default
-engines (built by `make engines`; tests that need them fail with that instruction)."""
+engines (built by `make engines`; tests that need them fail with that instruction).
+
+With SPECRT_TINY_CACHE=<dir> set (`make mutation` sets it), the tiny models and engines
+are built once into that folder, keyed by a hash of the build sources, and reused by
+later pytest sessions: a mutant run then spends its time in the tests, not the builds."""
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -12,6 +18,37 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 ROOT = TESTS.parent
 REAL_ENGINES = Path(os.environ.get("SPECRT_ENGINES", ROOT / "artifacts" / "smollm2"))
+TINY_CACHE = os.environ.get("SPECRT_TINY_CACHE")
+# the draft kinds a build knows: "model" is a draft model path (here the target itself, so
+# greedy acceptance is exactly 1), the others are BuildConfig.draft values
+DRAFT_KINDS = ("model", "truncate:2", "int8", "none")
+ATTENTIONS = ("gqa", "portable")   # K/V written in place by the graph / returned and copied by KVCache.write
+MATRIX_CONTEXT = 160               # room for 128 generated tokens after a short prompt
+
+
+def _build_key() -> str:
+    """Hash of everything a tiny build depends on (not the runtime: mutating it keeps the cache)."""
+    h = hashlib.sha256()
+    src = ROOT / "specrt"
+    files = [*src.glob("export/*.py"), *src.glob("calibration/*.py"), *src.glob("engines/*.py"),
+             src / "pipeline.py", src / "config.py", src / "manifest.py", TESTS / "tiny_models.py"]
+    for f in sorted(files):
+        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
+    h.update(inspect.getsource(build_tiny).encode())
+    return h.hexdigest()[:16]
+
+
+def _once(tmp_path_factory, name: str, make) -> Path:
+    """make(dir) -> path, run into a fresh temporary folder, or once into the cache and reused."""
+    name = name.replace(":", "")
+    if not TINY_CACHE:
+        return Path(make(tmp_path_factory.mktemp(name)))
+    done = Path(TINY_CACHE) / _build_key() / name
+    if not (done / "ok").exists():          # absent after a build that failed half-way: build again
+        done.mkdir(parents=True, exist_ok=True)
+        (done / "path").write_text(str(make(done)))
+        (done / "ok").touch()
+    return Path((done / "path").read_text())
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +61,9 @@ def real_engines() -> Path:
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     from tiny_models import make_pair
-    return make_pair(tmp_path_factory.mktemp("pair"), target_layers=3, draft_layers=1, vocab_size=128)
+    root = _once(tmp_path_factory, "pair",
+                 lambda d: make_pair(d, target_layers=3, draft_layers=1, vocab_size=128)[0].parent)
+    return root / "target", root / "draft"
 
 
 def build_tiny(out: Path, target: Path, draft: str, **kw) -> Path:
@@ -39,14 +78,14 @@ def build_tiny(out: Path, target: Path, draft: str, **kw) -> Path:
 def tiny_engines(tmp_path_factory, tiny_pair) -> Path:
     """A tiny llama target (3 layers) with a separate 1-layer draft, own caches."""
     target, draft = tiny_pair
-    return build_tiny(tmp_path_factory.mktemp("eng") / "pair", target, str(draft))
+    return _once(tmp_path_factory, "eng-pair", lambda d: build_tiny(d / "pair", target, str(draft)))
 
 
 @pytest.fixture(scope="session")
 def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair
-    return build_tiny(tmp_path_factory.mktemp("eng") / "self", target, "int8")
+    return _once(tmp_path_factory, "eng-self", lambda d: build_tiny(d / "self", target, "int8"))
 
 
 @pytest.fixture(scope="session")
@@ -54,4 +93,30 @@ def tiny_truncated_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its own first 2 layers as draft: related but different
     distributions, so sampled drafts are both accepted and rejected."""
     target, _ = tiny_pair
-    return build_tiny(tmp_path_factory.mktemp("eng") / "trunc", target, "truncate:2")
+    return _once(tmp_path_factory, "eng-trunc", lambda d: build_tiny(d / "trunc", target, "truncate:2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_matrix(tmp_path_factory, tiny_pair):
+    """engines(kind, attention) for every DRAFT_KINDS x ATTENTIONS, max_context=MATRIX_CONTEXT,
+    each built on first use and kept for the session."""
+    target, _ = tiny_pair
+    built: dict[tuple[str, str], Path] = {}
+
+    def engines(kind: str, attention: str) -> Path:
+        if (kind, attention) not in built:
+            draft = str(target) if kind == "model" else kind
+            built[kind, attention] = _once(
+                tmp_path_factory, f"matrix-{kind}-{attention}",
+                lambda d: build_tiny(d / "eng", target, draft, attention=attention, max_context=MATRIX_CONTEXT))
+        return built[kind, attention]
+
+    return engines
+
+
+def pytest_collection_modifyitems(items):
+    """Any test that uses the real default engines is a `real_model` test (`-m "not real_model"`
+    runs the suite without `make engines`)."""
+    for item in items:
+        if "real_engines" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)

@@ -148,14 +148,14 @@ def test_empty_prompt_raises_context_length_error(gen, prompt):
                          ids=["greedy", "sampled"])
 @pytest.mark.parametrize("method", ["plain", "speculative"])
 def test_generation_reaching_the_maximum_context_stops_cleanly_at_it(gen, method, sampling):
+    before = tokens_of(gen, prompt_of(10), max_new_tokens=12, method=method)
     prompt = prompt_of(90)
     toks = tokens_of(gen, prompt, max_new_tokens=50, method=method, sampling=sampling)  # no EOS stop here
     assert len(toks) == MAX_CONTEXT - len(prompt)
     assert len(prompt) + len(toks) <= MAX_CONTEXT
     assert gen.last_metrics.finish_reason == "max_context"
-    # the generator is reusable afterwards (caches rewound)
-    assert tokens_of(gen, prompt_of(10), max_new_tokens=3, method=method) == \
-        tokens_of(gen, prompt_of(10), max_new_tokens=3, method=method)
+    # the generator is reusable afterwards (caches rewound): the same tokens as before the run
+    assert tokens_of(gen, prompt_of(10), max_new_tokens=12, method=method) == before
 
 
 @pytest.mark.parametrize("method", ["plain", "speculative"])
@@ -201,7 +201,6 @@ def test_invalid_sampling_params_raise_sampling_params_error(kw, field):
     msg = expect(SamplingParamsError, SamplingParams, **kw)
     assert f"{field}=" in msg
     assert "pass" in msg or "use" in msg        # what to do
-    assert issubclass(SamplingParamsError, ValueError)
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, None])

@@ -16,6 +16,8 @@ from specrt import manifest as mf
 from specrt.prompts import PROMPTS
 from specrt.runtime import SpeculativeGenerator
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def gen(real_engines):
@@ -106,15 +108,14 @@ def test_runtime_generates_in_a_process_where_torch_cannot_be_imported(real_engi
 
 
 def test_the_cli_streams_text_and_reports_metrics(real_engines):
-    from specrt.cli import main
     r = subprocess.run([sys.executable, "-m", "specrt.cli", "generate", str(real_engines), "Name three colors.",
                         "--max-new-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) > 10
     assert "acceptance" in r.stderr and "tok/s" in r.stderr
-    assert main is not None
 
 
+@pytest.mark.slow   # exports and checks the real model's 6-layer draft
 def test_a_truncated_copy_of_the_real_target_works_as_a_separate_draft(tmp_path):
     """The two-model path on the real model: the target's first 6 layers as a draft with its
     own cache and prefill. Its acceptance is low (an untrained truncation), but greedy output

@@ -8,13 +8,12 @@ test_sampling_exact.py.)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
+from goodness_of_fit import P_VALUE_CEILING, P_VALUE_FLOOR, Fit, goodness_of_fit
 
 from specrt.runtime.sampling import (
     SamplingParams,
@@ -24,7 +23,6 @@ from specrt.runtime.sampling import (
     sample,
     verify_sampled,
 )
-
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -88,39 +86,6 @@ def speculate(p_chain: np.ndarray, q_chain: np.ndarray, rule: Rule, n: int, seed
     return Run(tokens, steps, recovered, bonus)
 
 
-@dataclass(frozen=True)
-class Fit:
-    p_value: float  # chi-square goodness of fit; 0.0 if any token outside the support was emitted
-    tv: float  # total variation between empirical and exact distribution
-    tv_bound: float  # what TV stays below with probability >= 1 - 1e-6 if the sampler is exact
-    outside_support: int  # samples in cells the target gives probability 0
-
-
-def goodness_of_fit(cells: np.ndarray, exact: np.ndarray) -> Fit:
-    """Compare observed cell indices [n] with an exact distribution over cells [C].
-
-    TV bound: E[TV] <= 0.5 * sum_i sqrt(p_i / n) <= 0.5 * sqrt(C+ / n) (Jensen, then
-    Cauchy-Schwarz over the C+ cells with p_i > 0), and TV moves by at most 1/n per
-    sample, so McDiarmid gives P(TV > E[TV] + t) <= exp(-2 n t^2); t = sqrt(ln(1e6) / 2n).
-    Chi-square pools cells expected < 5 times so its asymptotics hold.
-    """
-    n = cells.size
-    observed = np.bincount(cells, minlength=exact.size).astype(np.float64)
-    support = exact > 0
-    outside = int(observed[~support].sum())
-    tv = 0.5 * float(np.abs(observed / n - exact).sum())
-    tv_bound = 0.5 * math.sqrt(support.sum() / n) + math.sqrt(math.log(1e6) / (2 * n))
-
-    obs, exp = observed[support], exact[support] * n
-    small = exp < 5
-    if small.any():
-        obs = np.append(obs[~small], obs[small].sum())
-        exp = np.append(exp[~small], exp[small].sum())
-    exp *= obs.sum() / exp.sum()  # scipy wants equal totals; differs only when outside > 0
-    p_value = 0.0 if outside else float(chisquare(obs, exp).pvalue)
-    return Fit(p_value, tv, tv_bound, outside)
-
-
 def exact_target(p_chain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exact joint of tokens (1, 2) [V*V] and marginal of token 4 [V] under the target chain."""
     p64 = p_chain.astype(np.float64)
@@ -133,7 +98,8 @@ def exact_target(p_chain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def fits(run: Run, p_chain: np.ndarray) -> tuple[Fit, Fit]:
     joint12, marginal4 = exact_target(p_chain)
     t = run.tokens
-    return goodness_of_fit(t[:, 0] * V + t[:, 1], joint12), goodness_of_fit(t[:, 3], marginal4)
+    return (goodness_of_fit(np.bincount(t[:, 0] * V + t[:, 1], minlength=V * V), joint12),
+            goodness_of_fit(np.bincount(t[:, 3], minlength=V), marginal4))
 
 
 def always_accept(p, q, draft_tokens, rng, scratch) -> Verdict:
@@ -158,8 +124,6 @@ EXACTNESS_CASES = [
 ]
 N_EXACT = 30_000
 N_WRONG = 10_000
-P_VALUE_FLOOR = 1e-3  # correct rule must pass at this level
-P_VALUE_CEILING = 1e-6  # wrong rules must fail far below it
 
 
 @pytest.mark.parametrize(("params", "chain_seed"), EXACTNESS_CASES)

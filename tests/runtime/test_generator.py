@@ -2,6 +2,8 @@
 target's, whatever the draft; the caches stay consistent when the caller stops early."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from specrt.runtime import SamplingParams, SpeculativeGenerator
@@ -56,18 +58,25 @@ def test_a_smaller_k_than_built_gives_the_same_output(tiny_engines, gen, k):
     assert len(small.last_metrics.drafted_at) == k
 
 
-def test_target_as_its_own_draft_accepts_every_greedy_token(tmp_path, tiny_pair):
-    from conftest import build_tiny
-
-    target, _ = tiny_pair
-    g = SpeculativeGenerator(build_tiny(tmp_path / "own", target, str(target)))
-    assert _tokens(g, PROMPTS[1], 33, "speculative") == _tokens(g, PROMPTS[1], 33, "plain")
-    m = g.last_metrics if g.last_metrics.method == "speculative" else None
-    _tokens(g, PROMPTS[1], 33, "speculative")
+def test_target_as_its_own_draft_accepts_every_greedy_token(tiny_matrix):
+    g = SpeculativeGenerator(tiny_matrix("model", "gqa"))   # the target, exported again as a separate draft
+    spec = _tokens(g, PROMPTS[1], 33, "speculative")
     m = g.last_metrics
+    assert spec == _tokens(g, PROMPTS[1], 33, "plain")
     assert m.acceptance_rate == 1.0
     assert m.mean_acceptance_length == g.k + 1
     assert m.acceptance_per_position == [1.0] * g.k
+
+
+def test_from_draft_marks_exactly_the_accepted_draft_tokens(self_gen):
+    plain = list(self_gen.tokens(PROMPTS[1], max_new_tokens=30, method="plain"))
+    assert [e.from_draft for e in plain] == [False] * 30
+    spec = list(self_gen.tokens(PROMPTS[1], max_new_tokens=30, method="speculative"))
+    m = self_gen.last_metrics
+    assert all(type(e.from_draft) is bool for e in spec) and spec[0].from_draft is False
+    assert sum(e.from_draft for e in spec) == m.accepted > 0
+    # each pass emits its accepted draft tokens, then one token of the target's own
+    assert sum(not e.from_draft for e in spec) == 1 + m.iterations
 
 
 def test_metrics_are_consistent(gen):
@@ -94,6 +103,29 @@ def test_stopping_early_leaves_the_cache_at_what_was_emitted(gen, method):
         assert gen.draft.cache.length <= gen.target.cache.length
     # and the next call is unaffected
     assert _tokens(gen, prompt, 12, method)[:7] == got
+
+
+@pytest.mark.parametrize("method", ["speculative", "plain"])
+def test_a_finished_generation_leaves_the_cache_at_what_was_emitted(gen, method):
+    toks = _tokens(gen, PROMPTS[1], 20, method)
+    assert gen.target.cache.length == len(PROMPTS[1]) + len(toks) - 1
+    if method == "plain":   # one decode step per token after the first, none after the last
+        assert gen.last_metrics.iterations == len(toks) - 1
+
+
+def test_each_phase_of_each_pass_is_timed_once(gen, monkeypatch):
+    """A clock that advances one tick per reading: every timed phase of every pass then adds
+    exactly one tick (no wall-clock thresholds)."""
+    from specrt.runtime import loop as loop_mod
+
+    ticks = itertools.count()
+    monkeypatch.setattr(loop_mod.time, "perf_counter", lambda: float(next(ticks)))
+    _tokens(gen, PROMPTS[1], 20, "plain")
+    m = gen.last_metrics
+    assert m.time_verify == m.iterations == 19 and m.time_draft == m.time_accept == 0
+    _tokens(gen, PROMPTS[1], 20, "speculative")
+    m = gen.last_metrics
+    assert m.time_draft == m.time_verify == m.time_accept == m.iterations > 0
 
 
 def test_sampling_with_a_seed_is_reproducible(gen):
@@ -221,7 +253,7 @@ def test_engines_without_a_draft_decode_plainly_and_refuse_to_speculate(tmp_path
 
     d = build_tiny(tmp_path / "none", tiny_pair[0], "none")
     g = SpeculativeGenerator(d)
-    assert g.manifest.draft is None and g.methods == ("plain",)
+    assert g.manifest.draft is None and g.methods == ("plain", "lookup")
     assert len(_tokens(g, PROMPTS[0], 8, "plain")) == 8
     with pytest.raises(SamplingParamsError, match="no draft"):
         SpeculativeGenerator(d, methods=("speculative",))

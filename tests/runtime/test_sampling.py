@@ -221,9 +221,16 @@ def test_sample_maps_u_through_the_cdf():
     assert sample(probs, FixedRng(0.9)) == 2
 
 
-def test_sample_refuses_a_row_with_no_mass():
+def test_sample_accumulates_in_float64_so_small_tokens_after_a_large_one_stay_reachable():
+    # float32: 1 + 1e-8 == 1, so the tail's CDF would be flat and its tokens never drawn
+    probs = np.concatenate([[1.0], np.full(1000, 1e-8)]).astype(np.float32)
+    assert 0 < sample(probs, FixedRng(1 - 1e-7)) <= 1000
+
+
+@pytest.mark.parametrize("probs", [np.zeros(4, np.float32), np.zeros(0, np.float32)], ids=["zeros", "empty"])
+def test_sample_refuses_a_row_with_no_mass(probs):
     with pytest.raises(ValueError, match="positive finite mass"):
-        sample(np.zeros(4, np.float32), np.random.default_rng(0))
+        sample(probs, np.random.default_rng(0))
 
 
 # --- accept rule pieces -------------------------------------------------------
@@ -325,6 +332,30 @@ def test_sampled_verify_on_one_hot_rows_matches_greedy_verify():
         draft = np.where(rng.random(k) < 0.7, target_logits[:k].argmax(1), draft_logits.argmax(1))
         q[np.arange(k)] = np.eye(v, dtype=np.float32)[draft]
         assert verify_sampled(p, q, draft, rng, scratch) == verify_greedy(target_logits.argmax(1), draft)
+
+
+def test_sampled_verify_refuses_target_rows_without_the_bonus_position():
+    # p must have k+1 rows even when q and the draft tokens agree with each other
+    with pytest.raises(ValueError, match=r"expected p \[k\+1, V\]"):
+        verify_sampled(
+            np.full((2, 4), 0.25, np.float32),
+            np.full((2, 4), 0.25, np.float32),
+            np.array([0, 1]),
+            np.random.default_rng(0),
+            np.empty(4, np.float32),
+        )
+
+
+def test_sampled_verify_refuses_draft_tokens_that_are_not_one_row():
+    p, q = np.full((3, 4), 0.25, np.float32), np.full((2, 4), 0.25, np.float32)
+    with pytest.raises(ValueError, match=r"draft_tokens \[k\]"):
+        verify_sampled(p, q, np.array([[0], [1]]), np.random.default_rng(0), np.empty(4, np.float32))
+
+
+def test_sampled_verify_names_a_scratch_buffer_of_the_wrong_size():
+    p, q = np.full((3, 4), 0.25, np.float32), np.full((2, 4), 0.25, np.float32)
+    with pytest.raises(ValueError, match=r"^scratch has shape \(3,\); expected \(4,\)"):
+        verify_sampled(p, q, np.array([0, 1]), np.random.default_rng(0), np.empty(3, np.float32))
 
 
 def test_verifiers_refuse_mismatched_shapes():
