@@ -137,6 +137,14 @@ def cmd_profile(a) -> int:
     return 0
 
 
+def cmd_inspect(a) -> int:
+    from specrt import manifest as mf
+    from specrt.inspect import describe
+    man = mf.load(a.engines)
+    print(json.dumps(json.loads(man.to_json()), indent=2) if a.json else describe(man))
+    return 0
+
+
 def cmd_quality(a) -> int:
     from specrt.calibration.dataset import load_prompts, split
     from specrt.calibration.quality import quality_table
@@ -152,14 +160,6 @@ def cmd_quality(a) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0
-
-
-def cmd_inspect(a) -> int:
-    from specrt import manifest as mf
-    from specrt.inspect import describe
-    man = mf.load(a.engines)
-    print(json.dumps(json.loads(man.to_json()), indent=2) if a.json else describe(man))
     return 0
 
 
@@ -179,6 +179,28 @@ def cmd_triton_repo(a) -> int:
     model_dir = write_triton_repo(a.engines, a.out, model_name=a.model_name, instances=a.instances,
                                   memory=a.memory, copy_engines=a.copy_engines)
     print(f"wrote {model_dir} (serve it with: tritonserver --model-repository {a.out})")
+    return 0
+
+
+def cmd_qdq(a) -> int:
+    from specrt.calibration.qdq import QDQSpec, make_qdq
+    spec = QDQSpec(graphs=tuple(g.strip() for g in a.graphs.split(",") if g.strip()), prompts=a.prompts,
+                   eval_prompts=a.eval_prompts, decode_steps=a.decode_steps, threads=a.threads,
+                   **({} if a.keep_float is None else
+                      {"keep_float": tuple(k.strip() for k in a.keep_float.split(",") if k.strip())}))
+    info = make_qdq(a.engines, a.out, spec, progress=(lambda s: None) if a.quiet else
+                    (lambda s: print(f"-- {s}", file=sys.stderr)))
+    if a.json:
+        print(json.dumps(info, indent=2))
+    else:
+        par, rules = info["parity"]["all"], info["rules"]
+        print(f"wrote {a.out}: TensorRT Q/DQ rules {'passed' if rules['passed'] else 'FAILED'} "
+              f"({rules['dequantize_nodes']} DequantizeLinear nodes)")
+        for g, r in info["parity"]["graphs"].items():
+            t = info["timing"]["graphs"][g]
+            print(f"  {g:8s} top-1 {r['top1_agreement']:.3f}  mean KL {r['mean_kl']:.4f}  max|dlogit| "
+                  f"{r['max_abs_logit_delta']:.3g}  step {t['qdq_ms']:.2f} ms vs fp32 {t['fp32_ms']:.2f} ms")
+        print(f"  all      top-1 {par['top1_agreement']:.3f} over {par['positions']} held-out positions")
     return 0
 
 
@@ -259,6 +281,11 @@ def main(argv=None) -> int:
     pr.add_argument("--top", type=_positive_int, default=8, help="operator types shown per graph")
     pr.set_defaults(fn=cmd_profile)
 
+    i = sub.add_parser("inspect", help="print a manifest readably")
+    i.add_argument("engines")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
     q = sub.add_parser("quality", help="each engine folder against the fp32 reference on held-out prompts: "
                        "top-1 agreement, KL, max |delta logit|, greedy exact match, step costs")
     q.add_argument("engines", nargs="+", help="folders written by `specrt build` (list the reference too for "
@@ -271,11 +298,6 @@ def main(argv=None) -> int:
     q.add_argument("--threads", type=_positive_int, default=2)
     q.add_argument("--json", metavar="FILE", help="write the report as JSON")
     q.set_defaults(fn=cmd_quality)
-
-    i = sub.add_parser("inspect", help="print a manifest readably")
-    i.add_argument("engines")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(fn=cmd_inspect)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     sv.add_argument("engines", help="folder written by `specrt build`")
@@ -299,6 +321,22 @@ def main(argv=None) -> int:
     tr.add_argument("--copy-engines", action="store_true",
                     help="copy the engines into the repository (default: refer to their absolute path)")
     tr.set_defaults(fn=cmd_triton_repo)
+
+    qd = sub.add_parser("qdq", help="calibrated static INT8 Q/DQ graphs of the target in TensorRT's form, "
+                                    "rules-checked, with parity vs fp32 on ONNX Runtime CPU")
+    qd.add_argument("engines", help="fp32 folder written by `specrt build`")
+    qd.add_argument("--out", required=True, help="folder to write (new, or a previous `specrt qdq` output)")
+    qd.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts (default 16)")
+    qd.add_argument("--eval-prompts", type=_positive_int, default=8, help="held-out prompts for parity (default 8)")
+    qd.add_argument("--decode-steps", type=_positive_int, default=16, help="greedy steps per prompt (default 16)")
+    qd.add_argument("--graphs", default="decode,verify,prefill", help="graphs to quantize, comma-separated")
+    qd.add_argument("--keep-float", metavar="SUFFIXES",
+                    help="weight-name suffixes whose MatMuls stay float, comma-separated ('' = quantize all; "
+                         "default: see `specrt.calibration.qdq.QDQSpec`)")
+    qd.add_argument("--threads", type=_positive_int, default=None)
+    qd.add_argument("--json", action="store_true", help="print qdq.json")
+    qd.add_argument("--quiet", action="store_true", help="no progress lines")
+    qd.set_defaults(fn=cmd_qdq)
 
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
