@@ -169,7 +169,7 @@ def _bench_prompt(v: _Variant, i: int, r: int, max_new_tokens: int, sampling, ou
     if lookup:
         res["lookup"] = _run_lookup(v.gen, ids, max_new_tokens, lookup)
         v.lookup_identical &= res["lookup"][0] == res["plain"][0]
-    (tp, dp, mp), (ts, ds, ms) = res["plain"], res["speculative"]
+    (tp, dp, _), (ts, ds, ms) = res["plain"], res["speculative"]
     same = tp == ts
     v.identical &= same
     for m, (toks, dt, met) in res.items():

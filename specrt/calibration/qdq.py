@@ -503,13 +503,9 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), pr
         if not rules["passed"]:
             raise QDQRuleError("the Q/DQ graphs break TensorRT's INT8 rules: " + "; ".join(rules["problems"][:5])
                                + " (nothing was written; report this with the ONNX Runtime version)")
-        winfo = wpack.pack(protos, tmp)
-        entries = {}
-        for g, proto in protos.items():
-            onnx.save(proto, str(tmp / f"{g}.onnx"))
-            entries[g] = {"file": f"{g}.onnx", "tokens": graphs[g]["tokens"], "sha256": mf.sha256_file(tmp / f"{g}.onnx")}
+        entries, winfo = wpack.save_graphs(protos, tmp, {g: graphs[g]["tokens"] for g in protos})
         del protos
-        winfo = {"file": winfo["file"], "bytes": winfo["bytes"], "sha256": mf.sha256_file(tmp / winfo["file"])}
+        winfo = {"file": winfo["file"], "bytes": winfo["bytes"], "sha256": winfo["sha256"]}
         progress(f"parity on {len(eval_ids)} held-out prompts")
         with quiet_logging():
             ref_gs = GraphSet(src, graphs, dims, shapes.kv_capacity, threads=threads)

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import onnx
 
-from specrt import manifest as mf
 from specrt.export import weights as wpack
 
 METHODS = ("matmulnbits", "dynamic")
@@ -108,11 +107,5 @@ def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple
             protos[g] = onnx.load(str(dst))
             if wrap and g in wrap:
                 protos[g] = wrap[g](protos[g])
-    winfo = wpack.pack(protos, out_dir)
-    entries = {}
-    for g, proto in protos.items():
-        path = out_dir / f"{g}.onnx"
-        onnx.save(proto, str(path))
-        entries[g] = {"file": path.name, "tokens": export["graphs"][g]["tokens"], "sha256": mf.sha256_file(path)}
-    winfo["sha256"] = mf.sha256_file(out_dir / winfo["file"])
+    entries, winfo = wpack.save_graphs(protos, out_dir, {g: export["graphs"][g]["tokens"] for g in protos})
     return {"graphs": entries, "weights": winfo, "dims": export["dims"], "quantization": spec.describe()}

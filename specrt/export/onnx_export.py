@@ -109,13 +109,7 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
             timings[g] = round(time.perf_counter() - t0, 1)
             if progress:
                 progress(g)
-    winfo = wpack.pack(protos, out_dir)
-    entries = {}
-    for g, proto in protos.items():
-        path = out_dir / f"{g}.onnx"
-        onnx.save(proto, str(path))
-        entries[g] = {"file": path.name, "tokens": tokens[g], "sha256": mf.sha256_file(path)}
-    winfo["sha256"] = mf.sha256_file(out_dir / winfo["file"])
+    entries, winfo = wpack.save_graphs(protos, out_dir, tokens)
     dims = {**vars(lm.dims), **({"layers": layers} if layers else {})}
     return {"graphs": entries, "weights": winfo, "dims": dims, "export_seconds": timings, "attention": attention,
             "kv_update": "in_place" if attention in IN_PLACE else "returned", "precision": precision,

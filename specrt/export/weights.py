@@ -52,3 +52,17 @@ def pack(graphs: dict[str, onnx.ModelProto], directory: Path, name: str = "weigh
                     e.key, e.value = k, v
         size = f.tell()
     return {"file": name, "bytes": size, "initializers": index}
+
+
+def save_graphs(protos: dict[str, onnx.ModelProto], out_dir: Path, tokens: dict[str, int]) -> tuple[dict, dict]:
+    """Pack the graphs' large initializers into out_dir/weights.bin, save each graph as
+    out_dir/<name>.onnx, and hash everything: (graph entries, weights info) for a manifest."""
+    from specrt.manifest import sha256_file
+    winfo = pack(protos, out_dir)
+    entries = {}
+    for g, proto in protos.items():
+        path = Path(out_dir) / f"{g}.onnx"
+        onnx.save(proto, str(path))
+        entries[g] = {"file": path.name, "tokens": tokens[g], "sha256": sha256_file(path)}
+    winfo["sha256"] = sha256_file(Path(out_dir) / winfo["file"])
+    return entries, winfo
