@@ -14,12 +14,12 @@ from specrt.prompts import PROMPTS
 from specrt.runtime import SamplingParams, SpeculativeGenerator
 
 
-def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: str):
+def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: str, ngram: int = 2):
     eos = gen.tokenizer.eos_token_ids
     toks = []
     if method == "speculative" and gen.draft is None:
         method = "lookup"    # engines built with --draft none: prompt lookup is their speculation (greedy)
-    for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling, method=method):
+    for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling, method=method, ngram=ngram):
         toks.append(e.token)
         if e.token in eos:
             break
@@ -28,23 +28,8 @@ def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: st
 
 
 def _run_lookup(gen: SpeculativeGenerator, ids: list[int], n: int, ngram: int):
-    """Prompt lookup (runtime.proposers.lookup_decode) on the generator's target graphs."""
-    from specrt.runtime.loop import prefill
-    from specrt.runtime.metrics import Metrics
-    from specrt.runtime.proposers import lookup_decode
-    eos = gen.tokenizer.eos_token_ids
-    m = Metrics(method="lookup", k=gen.k)
-    first = prefill(gen.target, gen.target.graphs["prefill"].tokens, ids)
-    t0 = time.perf_counter()
-    toks = []
-    steps = lookup_decode(gen.target, first, len(ids), min(n, gen.shapes.max_context - len(ids)), m,
-                          seq=list(ids), n=ngram, k=gen.k)
-    for e in steps:
-        toks.append(e.token)
-        if e.token in eos:
-            break
-    steps.close()
-    return toks, time.perf_counter() - t0, m
+    """Greedy prompt lookup (the generator's method="lookup") on the same graphs."""
+    return _run(gen, ids, n, SamplingParams(), "lookup", ngram=ngram)
 
 
 def rss_bytes() -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt import manifest as mf
+from specrt.calibration.quality import kl_rows
 from specrt.export.parity import GraphSet
 
 
@@ -107,7 +108,7 @@ def target_agreement(reference_dir: Path, reference: dict, model_dir: Path, part
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ref)
         max_delta = max(max_delta, float(np.abs(got - ref).max()))
-        kl_sum += float(_kl(ref, got).sum())
+        kl_sum += float(kl_rows(ref, got).sum())
     return {"top1_agreement": agree / total if total else 0.0, "positions": total,
             "mean_kl": kl_sum / total if total else 0.0, "max_abs_logit_delta": max_delta,
             "reference": "the fp32 export, teacher-forced on its own greedy continuations"}
@@ -116,11 +117,3 @@ def target_agreement(reference_dir: Path, reference: dict, model_dir: Path, part
 def _reset(gs: GraphSet) -> None:
     for c in gs.cache:
         c[...] = 0
-
-
-def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-    lp = p_logits - p_logits.max(-1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    lq = q_logits - q_logits.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    return (np.exp(lp) * (lp - lq)).sum(-1)
