@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.calibration import qdq
+from specrt.calibration import qdq, qdq_rules
 from specrt.errors import BuildOutputError, ConfigError, SpecrtError
 
 SMALL = qdq.QDQSpec(prompts=3, eval_prompts=2, decode_steps=6)
@@ -93,7 +93,7 @@ def test_rules_check_accepts_a_symmetric_graph_and_rejects_broken_ones():
 
 
 def test_a_broken_rule_is_a_typed_error_and_writes_nothing(tiny_engines, tmp_path, monkeypatch):
-    monkeypatch.setattr(qdq, "rule_problems", lambda m: ["QuantizeLinear 'x': zero point must be constant 0"])
+    monkeypatch.setattr(qdq_rules, "rule_problems", lambda m: ["QuantizeLinear 'x': zero point must be constant 0"])
     with pytest.raises(qdq.QDQRuleError, match="TensorRT's INT8 rules"):
         qdq.make_qdq(tiny_engines, tmp_path / "out", qdq.QDQSpec(graphs=("decode",), prompts=1, eval_prompts=1,
                                                                    decode_steps=2), progress=lambda s: None)
