@@ -33,6 +33,7 @@ from specrt.errors import (
     SamplingParamsError,
     TokenizerMismatchError,
 )
+from specrt.runtime.adaptive import AdaptiveK, StepCosts
 from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.proposers import lookup_decode
@@ -64,8 +65,13 @@ class Completion:
 class SpeculativeGenerator:
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
                  memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full",
-                 profile_dir: str | Path | None = None):
+                 profile_dir: str | Path | None = None, adaptive: bool | None = None):
         """Load the engines in `engine_dir` (a folder written by `specrt build`).
+
+        adaptive: choose each round's draft length from the acceptance so far and the step
+        costs the build measured, falling back to plain steps when speculation does not pay
+        (runtime/adaptive.py). None (default): on when the manifest has those costs, the
+        target's one-token graph is loaded and `k` is not given (an explicit k is fixed).
 
         methods: which decoding methods to make ready (default: all the build supports);
         a service that only speculates passes ("speculative",) and never loads the
@@ -119,6 +125,7 @@ class SpeculativeGenerator:
             check.result()
         self.vocab = int(man.target.dims["vocab"])
         self.ws = Workspace(self.k, self.vocab)
+        self.costs, self.adaptive = self._adaptive(man, adaptive, k)
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
 
@@ -127,6 +134,7 @@ class SpeculativeGenerator:
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
         target_graphs = ("prefill",) + (("decode",) if {"plain", "lookup"} & set(self.methods) else ()) \
             + (("verify",) if {"speculative", "lookup"} & set(self.methods) else ())
+        self.target_graphs = target_graphs
         self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
                                graphs=target_graphs, **extra)
         self.draft = None
@@ -135,6 +143,29 @@ class SpeculativeGenerator:
             self.draft = self.backend.open_model(self.root, man.draft, man.shapes, threads=threads, memory=memory,
                                   cache=self.target.cache if shared else None,
                                   graphs=("decode",) if shared else ("prefill", "decode"), **extra)
+
+    def _adaptive(self, man: mf.Manifest, adaptive: bool | None, k: int | None):
+        spec = (man.build or {}).get("speculation")
+        costs = StepCosts.from_manifest(spec)
+        if adaptive is None:
+            return costs, costs is not None and k is None and "decode" in self.target_graphs \
+                and "speculative" in self.methods
+        if adaptive not in (True, False):
+            raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
+        if adaptive and costs is None:
+            raise ConfigError("adaptive=True needs the step costs a build measures (manifest "
+                              "build.speculation.costs_ms), and these engines have none: rebuild them with "
+                              "this specrt, or pass adaptive=False")
+        if adaptive and "decode" not in self.target_graphs:
+            raise ConfigError("adaptive=True falls back to plain decoding steps, so it needs the target's "
+                              "one-token graph: include 'plain' in methods")
+        return costs, adaptive
+
+    def _policy(self) -> AdaptiveK | None:
+        if not self.adaptive:
+            return None
+        agree = (self.manifest.draft.parity or {}).get("agreement_with_target") or {}
+        return AdaptiveK(self.costs, self.k, prior=float(agree.get("top1_agreement", 0.8)))
 
     def end_profiling(self) -> dict[str, str]:
         """Stop profiling (see profile_dir); "role/graph" -> the trace file ONNX Runtime wrote."""
@@ -232,7 +263,7 @@ class SpeculativeGenerator:
             else:
                 inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
                                            draft_start=P, shared_cache=self.draft.shares_cache,
-                                           seq=list(prompt_ids))
+                                           seq=list(prompt_ids), policy=self._policy())
             with _closing(inner):
                 yield from inner
             m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")

@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from specrt.runtime import trace
+from specrt.runtime.adaptive import AdaptiveK
 from specrt.runtime.backends.base import ModelRunner as Model
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
@@ -96,7 +97,8 @@ def plain_decode(target: Model, first_logits: np.ndarray, start: int, budget: in
 
 def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, start: int, budget: int,
                        params: SamplingParams, rng, ws: Workspace, metrics: Metrics, *,
-                       draft_start: int, shared_cache: bool, seq: list[int]) -> Iterator[Emitted]:
+                       draft_start: int, shared_cache: bool, seq: list[int],
+                       policy: AdaptiveK | None = None) -> Iterator[Emitted]:
     """Speculative decoding: the draft proposes ws.k tokens, the target verifies them in one pass.
 
     start: tokens with KV in the target cache (the prompt). draft_start: the same for the
@@ -104,6 +106,9 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
     the target's cache for the context and writes its guesses into rows the verify pass
     then overwrites). seq: the prompt; emitted tokens are appended (the draft's catch-up
     reads it). budget: most tokens to emit (already clipped to the context).
+    policy: adaptive k (runtime/adaptive.py): each round drafts the k it chooses, and k = 0
+    is a plain step through the target's one-token graph (which must be loaded). None:
+    every round drafts ws.k (fewer near the budget).
     """
     k, vt = ws.k, ws.verify_tokens
     length = start                     # target rows with KV; seq[length] is `cur`
@@ -116,6 +121,17 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
         yield Emitted(cur, False)
         while emitted < budget:
             k_eff = min(k, budget - emitted - 1)   # the verify pass emits up to k_eff + 1
+            if policy is not None:
+                k_eff = policy.choose(k_eff)
+                if k_eff == 0:                 # speculation does not pay here: one plain step
+                    cur = _plain_step(target, cur, length, params, rng, ws, metrics)
+                    policy.observe(0, 0)
+                    seq.append(cur)
+                    length += 1
+                    emitted += 1
+                    metrics.tokens += 1
+                    yield Emitted(cur, False)
+                    continue
             t0 = time.perf_counter()
             trace.push("draft")
             if not shared_cache:               # feed what the draft has not seen (e.g. a bonus token's predecessor)
@@ -150,6 +166,8 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
             metrics.time_verify += t2 - t1
             metrics.time_accept += t3 - t2
             metrics.record_iteration(k_eff, verdict.n_accepted)
+            if policy is not None:
+                policy.observe(k_eff, verdict.n_accepted)
             if not shared_cache:
                 d_len = min(length + k_eff, length + verdict.n_accepted + 1)
             for j in range(verdict.n_accepted):
@@ -171,6 +189,23 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
         target.cache.rewind_to(committed)
         if not shared_cache:
             draft.cache.rewind_to(min(d_len, committed))
+
+
+def _plain_step(target: Model, cur: int, length: int, params: SamplingParams, rng, ws: Workspace,
+                metrics: Metrics) -> int:
+    """One target decode step for `cur` at row `length`; returns the next token."""
+    t0 = time.perf_counter()
+    trace.push("decode")
+    if params.greedy:
+        target.argmax_step("decode", (cur,), length, ws.argmax[:1])
+        nxt = int(ws.argmax[0])
+    else:
+        nxt = _choose(target.step("decode", (cur,), length)[0], params, rng, ws.scratch)
+    trace.pop()
+    metrics.time_verify += time.perf_counter() - t0
+    metrics.record_iteration(0, 0)
+    metrics.plain_steps += 1
+    return nxt
 
 
 def _verify(p_logits: np.ndarray | None, k_eff: int, params: SamplingParams, rng, ws: Workspace) -> Verdict:

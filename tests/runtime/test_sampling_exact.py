@@ -204,3 +204,35 @@ def test_a_wrong_accept_rule_fails_the_same_check(gen, exact, monkeypatch, wrong
     monkeypatch.setattr(loop_mod, "verify_sampled", wrong)
     fit = fit_of(exact, sample_prefixes(gen, N // 2))
     assert not fit.passes and fit.p_value < P_VALUE_CEILING, fit
+
+
+class Scripted:
+    """A policy (runtime/adaptive.py's interface) that plays a fixed script of draft lengths,
+    plain steps (k = 0) included, whatever verdicts it sees."""
+
+    def __init__(self, script):
+        self.script, self.i = list(script), 0
+
+    def choose(self, budget_k=None):
+        k = self.script[self.i % len(self.script)]
+        self.i += 1
+        return k if budget_k is None else min(k, budget_k)
+
+    def observe(self, k, accepted):
+        pass
+
+
+@pytest.mark.parametrize("script", [(0, 2, 3), (1, 0, 3)])
+def test_sampling_stays_exact_when_rounds_mix_plain_steps_and_draft_lengths(gen, exact, monkeypatch, script):
+    """The adaptive policy's fallback: a plain step between speculative rounds samples from
+    the target's own row; any k fixed before a round's draws keeps the rule exact."""
+    monkeypatch.setattr(gen, "_policy", lambda: Scripted(script))
+    counts, plain_steps = Counter(), 0
+    for seed in range(N // 2):
+        sp = SamplingParams(**PARAMS, seed=seed)
+        toks = [e.token for e in gen.tokens(PROMPT, max_new_tokens=NEW, sampling=sp)]
+        counts[tuple(toks[:DEPTH])] += 1
+        plain_steps += gen.last_metrics.plain_steps
+    assert plain_steps >= N // 2            # every run took a plain step among its rounds
+    fit = fit_of(exact, counts)
+    assert fit.passes and fit.outside_support == 0, fit

@@ -1,0 +1,124 @@
+"""Adaptive draft length, with a fallback to plain decoding when speculation stops paying.
+
+Each round the loop asks `AdaptiveK.choose()` for k: k >= 1 drafts k tokens and verifies
+them in one target pass; k = 0 is one plain decode step. The choice maximises expected
+tokens per unit of time under the usual i.i.d. acceptance model (Leviathan et al. 2023):
+
+    rate(k) = E(a, k) / (k * t_draft + t_verify)      E(a, k) = (1 - a^(k+1)) / (1 - a)
+    rate(0) = 1 / t_decode
+
+with the step costs measured when the engines were built (manifest
+`build.speculation.costs_ms`) and `a`, the per-token acceptance, estimated from the
+verdicts of this generation: a Beta prior (the build's measured agreement) updated with
+exponential forgetting, so a stretch of text the draft cannot predict moves the choice
+within a few rounds. The verify graph has a static window, so a shorter k still pays
+for the full window; the formula uses that measured cost.
+
+After falling back to plain decoding the policy gathers no new evidence, so it probes:
+after `cooldown` plain steps it runs one speculative round at its best k, whose verdict
+updates `a`.
+
+Why the costs are fixed numbers from the build, not timed online: the choice of k
+decides how many random draws a round consumes, so choices that depended on wall-clock
+time would make seeded sampling differ from run to run. With fixed costs the choices are
+a function of the verdicts alone, and a seed reproduces its output. Choosing k from past
+verdicts keeps the accept rule exact (k is fixed before the round's draws) and greedy
+output identical to plain decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one round emits in expectation: accepted draft tokens plus the target's one."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds (or any one unit) per step: the target's one-token graph, its verify pass
+    (window k_max + 1) and one draft step."""
+    decode: float
+    verify: float
+    draft: float
+
+    def __post_init__(self):
+        for name in ("decode", "verify", "draft"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"step cost {name}={v!r} must be a positive number")
+
+    @classmethod
+    def from_manifest(cls, speculation: dict | None) -> "StepCosts | None":
+        """The build's measured costs (`build.speculation.costs_ms`), or None when absent."""
+        c = (speculation or {}).get("costs_ms") or {}
+        try:
+            return cls(decode=float(c["target_decode"]), verify=float(c["target_verify"]),
+                       draft=float(c["draft_decode"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def rate(self, a: float, k: int) -> float:
+        """Expected tokens per unit time of a round with k drafts (k = 0: a plain step)."""
+        if k == 0:
+            return 1.0 / self.decode
+        return expected_tokens(a, k) / (k * self.draft + self.verify)
+
+    def best_k(self, a: float, k_max: int, *, allow_plain: bool = True) -> int:
+        ks = range(0 if allow_plain else 1, k_max + 1)
+        return max(ks, key=lambda k: (self.rate(a, k), -k))   # ties: the shorter round
+
+    def predicted_speedup(self, a: float, k: int) -> float:
+        """Over plain decoding, for a fixed k (the bench's `pred` column)."""
+        return self.rate(a, k) * self.decode
+
+
+class AdaptiveK:
+    """The per-generation policy. choose() -> k for the next round; observe(k, accepted)
+    after it. Deterministic: a function of the verdicts seen (see the module docstring)."""
+
+    def __init__(self, costs: StepCosts, k_max: int, *, prior: float = 0.8, prior_weight: float = 4.0,
+                 forget: float = 0.9, cooldown: int = 16):
+        if k_max < 1:
+            raise ValueError(f"k_max={k_max} must be >= 1")
+        if not 0.0 < prior < 1.0:
+            prior = min(max(prior, 0.05), 0.95)        # the build's agreement can be 0 or 1 on few prompts
+        self.costs, self.k_max, self.cooldown, self.forget = costs, k_max, cooldown, forget
+        # Beta(successes + 1, failures + 1) over per-token acceptance, forgotten geometrically
+        self.successes = prior * prior_weight
+        self.failures = (1.0 - prior) * prior_weight
+        self.plain_run = 0          # plain steps since the last speculative round
+        self.rounds = {"plain": 0, "speculative": 0, "probe": 0}
+
+    @property
+    def acceptance(self) -> float:
+        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+
+    def choose(self, budget_k: int | None = None) -> int:
+        """k for the next round, <= budget_k (the tokens still allowed minus one)."""
+        cap = self.k_max if budget_k is None else min(self.k_max, budget_k)
+        if cap < 1:
+            return 0
+        k = self.costs.best_k(self.acceptance, cap)
+        if k == 0 and self.plain_run >= self.cooldown:
+            self.rounds["probe"] += 1
+            return self.costs.best_k(self.acceptance, cap, allow_plain=False)
+        return k
+
+    def observe(self, k: int, accepted: int) -> None:
+        """The verdict of a round that drafted k tokens and accepted `accepted` of them
+        (k = 0: a plain step, no evidence about the draft)."""
+        if k == 0:
+            self.plain_run += 1
+            self.rounds["plain"] += 1
+            return
+        self.plain_run = 0
+        self.rounds["speculative"] += 1
+        # the first rejection ends the round: accepted successes, then one failure if any
+        self.successes = self.forget * self.successes + accepted
+        self.failures = self.forget * self.failures + (1 if accepted < k else 0)

@@ -1,0 +1,170 @@
+"""Adaptive k with a fallback to plain steps (runtime/adaptive.py): the policy's choices
+follow the costs and the acceptance it sees, and whatever it chooses the output stays the
+target's: greedy identical to plain decoding, sampling exact, a seed reproducible."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from specrt.errors import ConfigError
+from specrt.runtime import SamplingParams, SpeculativeGenerator
+from specrt.runtime.adaptive import AdaptiveK, StepCosts, expected_tokens
+
+PROMPTS = [[5, 6, 7], [40, 50, 60, 70, 80, 90, 100], list(range(10, 40))]
+
+
+# --- the policy, on its own -----------------------------------------------------------------
+
+def test_expected_tokens_is_one_plus_the_geometric_series():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_a_cheap_accurate_draft_drafts_the_whole_window():
+    c = StepCosts(decode=1.0, verify=1.2, draft=0.1)
+    assert c.best_k(0.95, 4) == 4
+    assert c.predicted_speedup(0.95, 4) > 2.0
+
+
+def test_a_draft_as_costly_as_the_target_falls_back_to_plain():
+    # int4 target with an int8 self-draft, as measured: the draft costs more than a decode step
+    c = StepCosts(decode=7.9, verify=12.1, draft=8.6)
+    assert c.best_k(0.68, 4) == 0
+    assert all(c.predicted_speedup(0.68, k) < 1.0 for k in range(1, 5))
+
+
+def test_ties_prefer_the_shorter_round():
+    c = StepCosts(decode=2.0, verify=1.0, draft=1.0)      # a=0: every k emits one token
+    assert c.best_k(0.0, 4, allow_plain=False) == 1
+
+
+def test_rejections_lower_the_estimate_and_acceptances_raise_it():
+    p = AdaptiveK(StepCosts(1.0, 1.2, 0.2), 4, prior=0.8)
+    start = p.acceptance
+    for _ in range(5):
+        p.observe(4, 0)
+    low = p.acceptance
+    assert low < start
+    for _ in range(5):
+        p.observe(4, 4)
+    assert p.acceptance > low
+
+
+def test_a_bad_stretch_moves_the_choice_to_plain_and_a_probe_comes_back():
+    p = AdaptiveK(StepCosts(decode=1.0, verify=1.3, draft=0.3), 4, prior=0.9, cooldown=5)
+    assert p.choose() >= 3
+    for _ in range(10):
+        p.observe(4, 0)                   # every draft token rejected
+    assert p.choose() == 0
+    ks = []
+    for _ in range(6):
+        k = p.choose()
+        ks.append(k)
+        p.observe(k, 0 if k == 0 else k)  # the probe round is fully accepted
+    assert ks[:5] == [0] * 5 and ks[5] > 0, ks
+    assert p.rounds["probe"] >= 1
+
+
+def test_the_budget_caps_k_and_zero_budget_is_a_plain_step():
+    p = AdaptiveK(StepCosts(1.0, 1.1, 0.05), 4, prior=0.95)
+    assert p.choose(2) == 2
+    assert p.choose(0) == 0
+
+
+def test_costs_come_from_the_manifest_or_not_at_all():
+    spec = {"costs_ms": {"target_decode": 20.0, "target_verify": 24.0, "draft_decode": 8.0}}
+    assert StepCosts.from_manifest(spec) == StepCosts(20.0, 24.0, 8.0)
+    assert StepCosts.from_manifest(None) is None
+    assert StepCosts.from_manifest({"costs_ms": {"target_decode": 1.0}}) is None
+    with pytest.raises(ValueError):
+        StepCosts(0.0, 1.0, 1.0)
+
+
+# --- through the generator ------------------------------------------------------------------
+
+def _with_costs(src, dst, **costs_ms) -> str:
+    """A copy of built engines whose manifest carries the given build-time step costs."""
+    shutil.copytree(src, dst)
+    path = dst / "manifest.json"
+    man = json.loads(path.read_text())
+    man["build"]["speculation"] = {"costs_ms": {"target_decode": 1.0, "target_verify": 1.2, "draft_decode": 0.2,
+                                                **costs_ms}}
+    path.write_text(json.dumps(man))
+    return str(dst)
+
+
+def _tokens(g, ids, n, method="speculative", **kw):
+    return [e.token for e in g.tokens(ids, max_new_tokens=n, method=method, **kw)]
+
+
+@pytest.fixture(scope="module")
+def costly_draft(tiny_engines, tmp_path_factory):
+    return _with_costs(tiny_engines, tmp_path_factory.mktemp("adaptive") / "costly", draft_decode=5.0)
+
+
+@pytest.fixture(scope="module")
+def cheap_draft(tiny_self_engines, tmp_path_factory):
+    return _with_costs(tiny_self_engines, tmp_path_factory.mktemp("adaptive") / "cheap", draft_decode=0.05)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_falling_back_to_plain_keeps_greedy_output_identical(costly_draft, prompt):
+    g = SpeculativeGenerator(costly_draft)
+    assert g.adaptive
+    plain = _tokens(g, prompt, 40, "plain")
+    assert _tokens(g, prompt, 40) == plain
+    m = g.last_metrics
+    assert m.plain_steps > 20, m.as_dict()            # the policy fell back
+    assert m.drafted > 0                              # and probed now and then
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_a_draft_worth_it_keeps_drafting(cheap_draft, prompt):
+    g = SpeculativeGenerator(cheap_draft)
+    plain = _tokens(g, prompt, 40, "plain")
+    assert _tokens(g, prompt, 40) == plain
+    m = g.last_metrics
+    # at most one plain step: the last token, when only one remains (no room for a draft)
+    assert m.plain_steps <= 1 and m.drafted >= 25, m.as_dict()
+
+
+def test_adaptive_is_off_for_an_explicit_k_without_costs_or_when_asked(costly_draft, tiny_engines):
+    assert not SpeculativeGenerator(costly_draft, k=2).adaptive
+    assert not SpeculativeGenerator(costly_draft, adaptive=False).adaptive
+    assert not SpeculativeGenerator(tiny_engines, k=3, adaptive=None).adaptive
+    g = SpeculativeGenerator(costly_draft, adaptive=False)
+    _tokens(g, PROMPTS[1], 30)
+    assert g.last_metrics.plain_steps == 0
+
+
+def test_adaptive_refuses_what_it_cannot_do(costly_draft, tiny_engines):
+    with pytest.raises(ConfigError, match="plain"):
+        SpeculativeGenerator(costly_draft, adaptive=True, methods=("speculative",))
+    man = json.loads((tiny_engines / "manifest.json").read_text())
+    if "speculation" not in man.get("build", {}):
+        with pytest.raises(ConfigError, match="rebuild"):
+            SpeculativeGenerator(tiny_engines, adaptive=True)
+    with pytest.raises(ConfigError):
+        SpeculativeGenerator(costly_draft, adaptive="yes")
+
+
+def test_seeded_sampling_with_adaptive_k_is_reproducible(costly_draft):
+    g = SpeculativeGenerator(costly_draft)
+    sp = SamplingParams(temperature=1.2, top_k=20, seed=11)
+    a = _tokens(g, PROMPTS[2], 40, sampling=sp)
+    b = _tokens(g, PROMPTS[2], 40, sampling=sp)
+    assert a == b
+    assert g.last_metrics.plain_steps > 0
+
+
+def test_stopping_early_in_a_plain_round_leaves_the_cache_at_what_was_emitted(costly_draft):
+    g = SpeculativeGenerator(costly_draft)
+    it = g.tokens(PROMPTS[1], max_new_tokens=40)
+    got = [next(it).token for _ in range(9)]
+    it.close()
+    assert g.target.cache.length == len(PROMPTS[1]) + len(got) - 1
+    assert _tokens(g, PROMPTS[1], 9, "plain") == got
