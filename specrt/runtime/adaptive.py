@@ -18,6 +18,12 @@ After falling back to plain decoding the policy gathers no new evidence, so it p
 after `cooldown` plain steps it runs one speculative round at its best k, whose verdict
 updates `a`.
 
+Prompt lookup (runtime/proposers.py) as a second proposer: when the last n tokens occurred
+earlier, their continuation is a free guess; a lookup round costs one verify pass and no
+draft steps, so it wins whenever E(a_lookup, g) / t_verify beats the draft's rate and
+plain decoding's (a_lookup estimated apart from the draft's). This is what makes
+speculation pay on a target too fast for any model draft (an int4 target on a CPU).
+
 Why the costs are fixed numbers from the build, not timed online: the choice of k
 decides how many random draws a round consumes, so choices that depended on wall-clock
 time would make seeded sampling differ from run to run. With fixed costs the choices are
@@ -78,47 +84,70 @@ class StepCosts:
         return self.rate(a, k) * self.decode
 
 
+class _Acceptance:
+    """Beta(successes + 1, failures + 1) over per-token acceptance, forgotten geometrically."""
+
+    def __init__(self, prior: float, weight: float, forget: float):
+        prior = min(max(prior, 0.05), 0.95)     # a build's agreement can be 0 or 1 on few prompts
+        self.successes, self.failures, self.forget = prior * weight, (1.0 - prior) * weight, forget
+
+    @property
+    def mean(self) -> float:
+        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+
+    def observe(self, k: int, accepted: int) -> None:
+        # the first rejection ends the round: `accepted` successes, then one failure if any
+        self.successes = self.forget * self.successes + accepted
+        self.failures = self.forget * self.failures + (1 if accepted < k else 0)
+
+
 class AdaptiveK:
-    """The per-generation policy. choose() -> k for the next round; observe(k, accepted)
-    after it. Deterministic: a function of the verdicts seen (see the module docstring)."""
+    """The per-generation policy: choose() -> (how, k) for the next round, observe() after
+    it. how: "plain" (k = 0, one decode step), "draft" (k draft tokens) or "lookup" (the
+    first k tokens of prompt lookup's guess: free to propose, so a round costs one verify
+    pass). Draft and lookup proposals keep separate acceptance estimates. Deterministic:
+    a function of the verdicts seen (see the module docstring)."""
 
     def __init__(self, costs: StepCosts, k_max: int, *, prior: float = 0.8, prior_weight: float = 4.0,
-                 forget: float = 0.9, cooldown: int = 16):
+                 forget: float = 0.9, cooldown: int = 16, lookup_prior: float = 0.5):
         if k_max < 1:
             raise ValueError(f"k_max={k_max} must be >= 1")
-        if not 0.0 < prior < 1.0:
-            prior = min(max(prior, 0.05), 0.95)        # the build's agreement can be 0 or 1 on few prompts
-        self.costs, self.k_max, self.cooldown, self.forget = costs, k_max, cooldown, forget
-        # Beta(successes + 1, failures + 1) over per-token acceptance, forgotten geometrically
-        self.successes = prior * prior_weight
-        self.failures = (1.0 - prior) * prior_weight
-        self.plain_run = 0          # plain steps since the last speculative round
-        self.rounds = {"plain": 0, "speculative": 0, "probe": 0}
+        self.costs, self.k_max, self.cooldown = costs, k_max, cooldown
+        self.draft = _Acceptance(prior, prior_weight, forget)
+        self.lookup = _Acceptance(lookup_prior, prior_weight, forget)
+        self.plain_run = 0          # plain steps since the last draft round
+        self.rounds = {"plain": 0, "draft": 0, "lookup": 0, "probe": 0}
 
     @property
     def acceptance(self) -> float:
-        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+        return self.draft.mean
 
-    def choose(self, budget_k: int | None = None) -> int:
-        """k for the next round, <= budget_k (the tokens still allowed minus one)."""
+    def choose(self, budget_k: int | None = None, lookup_len: int = 0) -> tuple[str, int]:
+        """The next round, with at most budget_k proposed tokens (the tokens still allowed
+        minus one) and a lookup guess of lookup_len tokens available (0: none)."""
         cap = self.k_max if budget_k is None else min(self.k_max, budget_k)
         if cap < 1:
-            return 0
-        k = self.costs.best_k(self.acceptance, cap)
-        if k == 0 and self.plain_run >= self.cooldown:
+            return "plain", 0
+        c = self.costs
+        k = c.best_k(self.draft.mean, cap)
+        best = ("draft", k, c.rate(self.draft.mean, k)) if k else ("plain", 0, c.rate(0.0, 0))
+        g = min(lookup_len, cap)
+        if g:   # a lookup round: E(a_lookup, g) tokens for one verify pass, nothing to draft
+            rate = expected_tokens(self.lookup.mean, g) / c.verify
+            if rate > best[2]:
+                return "lookup", g
+        if best[0] == "plain" and self.plain_run >= self.cooldown:
             self.rounds["probe"] += 1
-            return self.costs.best_k(self.acceptance, cap, allow_plain=False)
-        return k
+            return "draft", c.best_k(self.draft.mean, cap, allow_plain=False)
+        return best[0], best[1]
 
-    def observe(self, k: int, accepted: int) -> None:
-        """The verdict of a round that drafted k tokens and accepted `accepted` of them
-        (k = 0: a plain step, no evidence about the draft)."""
-        if k == 0:
-            self.plain_run += 1
-            self.rounds["plain"] += 1
-            return
-        self.plain_run = 0
-        self.rounds["speculative"] += 1
-        # the first rejection ends the round: accepted successes, then one failure if any
-        self.successes = self.forget * self.successes + accepted
-        self.failures = self.forget * self.failures + (1 if accepted < k else 0)
+    def observe(self, how: str, k: int, accepted: int) -> None:
+        """The verdict of a round: k tokens proposed by `how`, `accepted` of them kept."""
+        self.rounds[how] += 1
+        if how == "plain":
+            self.plain_run += 1    # no evidence about the draft
+        elif how == "draft":
+            self.plain_run = 0
+            self.draft.observe(k, accepted)
+        else:
+            self.lookup.observe(k, accepted)

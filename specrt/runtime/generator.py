@@ -200,14 +200,16 @@ class SpeculativeGenerator:
         """Yield generated tokens as they become final (EOS included; the caller stops).
         Arguments are checked here, before the first token is asked for.
         method: "speculative" (draft model), "plain", or "lookup" (prompt lookup: proposes the
-        continuation of the latest earlier match of the last `ngram` tokens; greedy only)."""
+        continuation of the latest earlier match of the last `ngram` tokens; greedy only).
+        With adaptive k, "speculative" also verifies prompt lookup's guess (n = `ngram`) in
+        rounds where that pays better than the draft; ngram=0 turns this off."""
         sampling = sampling or SamplingParams()
-        if method == "lookup":
-            if not sampling.greedy:
-                raise SamplingParamsError("method='lookup' (prompt lookup) is greedy only: use temperature=0, or "
-                                          "method='speculative' / 'plain' to sample")
-            if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < 1:
-                raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match)")
+        if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < (1 if method == "lookup" else 0):
+            raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match; "
+                                      "0 turns prompt lookup off in speculative decoding)")
+        if method == "lookup" and not sampling.greedy:
+            raise SamplingParamsError("method='lookup' (prompt lookup) is greedy only: use temperature=0, or "
+                                      "method='speculative' / 'plain' to sample")
         if method not in METHODS:
             raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
         if method not in self.methods:
@@ -263,7 +265,8 @@ class SpeculativeGenerator:
             else:
                 inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
                                            draft_start=P, shared_cache=self.draft.shares_cache,
-                                           seq=list(prompt_ids), policy=self._policy())
+                                           seq=list(prompt_ids), policy=(policy := self._policy()),
+                                           lookup_n=ngram if policy is not None else 0)
             with _closing(inner):
                 yield from inner
             m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")

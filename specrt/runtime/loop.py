@@ -27,6 +27,7 @@ from specrt.runtime import trace
 from specrt.runtime.adaptive import AdaptiveK
 from specrt.runtime.backends.base import ModelRunner as Model
 from specrt.runtime.metrics import Metrics
+from specrt.runtime.proposers import lookup
 from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
 
 
@@ -98,7 +99,7 @@ def plain_decode(target: Model, first_logits: np.ndarray, start: int, budget: in
 def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, start: int, budget: int,
                        params: SamplingParams, rng, ws: Workspace, metrics: Metrics, *,
                        draft_start: int, shared_cache: bool, seq: list[int],
-                       policy: AdaptiveK | None = None) -> Iterator[Emitted]:
+                       policy: AdaptiveK | None = None, lookup_n: int = 0) -> Iterator[Emitted]:
     """Speculative decoding: the draft proposes ws.k tokens, the target verifies them in one pass.
 
     start: tokens with KV in the target cache (the prompt). draft_start: the same for the
@@ -106,8 +107,10 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
     the target's cache for the context and writes its guesses into rows the verify pass
     then overwrites). seq: the prompt; emitted tokens are appended (the draft's catch-up
     reads it). budget: most tokens to emit (already clipped to the context).
-    policy: adaptive k (runtime/adaptive.py): each round drafts the k it chooses, and k = 0
-    is a plain step through the target's one-token graph (which must be loaded). None:
+    policy: adaptive k (runtime/adaptive.py): each round it chooses a plain step (through the
+    target's one-token graph, which must be loaded), k draft tokens, or, with lookup_n > 0,
+    prompt lookup's guess (the continuation of the latest earlier match of the last lookup_n
+    tokens: free to propose, verified like a draft whose distribution is one-hot). None:
     every round drafts ws.k (fewer near the budget).
     """
     k, vt = ws.k, ws.verify_tokens
@@ -121,11 +124,13 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
         yield Emitted(cur, False)
         while emitted < budget:
             k_eff = min(k, budget - emitted - 1)   # the verify pass emits up to k_eff + 1
+            how = "draft"
             if policy is not None:
-                k_eff = policy.choose(k_eff)
-                if k_eff == 0:                 # speculation does not pay here: one plain step
+                guess = lookup(seq, lookup_n, k_eff) if lookup_n and k_eff else ()
+                how, k_eff = policy.choose(k_eff, len(guess))
+                if how == "plain":             # speculation does not pay here: one plain step
                     cur = _plain_step(target, cur, length, params, rng, ws, metrics)
-                    policy.observe(0, 0)
+                    policy.observe("plain", 0, 0)
                     seq.append(cur)
                     length += 1
                     emitted += 1
@@ -134,19 +139,28 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
                     continue
             t0 = time.perf_counter()
             trace.push("draft")
-            if not shared_cache:               # feed what the draft has not seen (e.g. a bonus token's predecessor)
-                while d_len < length:
-                    draft.step("decode", (seq[d_len],), d_len)
-                    d_len += 1
             x = vt[0] = cur                  # verify window: [cur, x1..x_k_eff]
-            for j in range(k_eff):
-                if params.greedy:
-                    draft.argmax_step("decode", (x,), length + j, ws.draft_tokens[j:j + 1])
-                    x = int(ws.draft_tokens[j])
-                else:
-                    x = sample(probs_from_logits(draft.step("decode", (x,), length + j)[0], params, ws.q[j]), rng)
-                    ws.draft_tokens[j] = x
-                vt[j + 1] = x
+            if how == "lookup":              # prompt lookup's guess: a deterministic (one-hot) proposal
+                for j in range(k_eff):
+                    x = vt[j + 1] = ws.draft_tokens[j] = guess[j]
+                    if not params.greedy:
+                        ws.q[j].fill(0.0)
+                        ws.q[j, x] = 1.0
+                metrics.lookup_rounds += 1
+            else:
+                if not shared_cache:         # feed what the draft has not seen (e.g. a bonus token's predecessor)
+                    while d_len < length:
+                        draft.step("decode", (seq[d_len],), d_len)
+                        d_len += 1
+                for j in range(k_eff):
+                    if params.greedy:
+                        draft.argmax_step("decode", (x,), length + j, ws.draft_tokens[j:j + 1])
+                        x = int(ws.draft_tokens[j])
+                    else:
+                        x = sample(probs_from_logits(draft.step("decode", (x,), length + j)[0], params, ws.q[j]),
+                                   rng)
+                        ws.draft_tokens[j] = x
+                    vt[j + 1] = x
             trace.pop()
             t1 = time.perf_counter()
             trace.push("verify")
@@ -167,8 +181,8 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
             metrics.time_accept += t3 - t2
             metrics.record_iteration(k_eff, verdict.n_accepted)
             if policy is not None:
-                policy.observe(k_eff, verdict.n_accepted)
-            if not shared_cache:
+                policy.observe(how, k_eff, verdict.n_accepted)
+            if not shared_cache and how == "draft":
                 d_len = min(length + k_eff, length + verdict.n_accepted + 1)
             for j in range(verdict.n_accepted):
                 tok = int(ws.draft_tokens[j])

@@ -46,33 +46,54 @@ def test_rejections_lower_the_estimate_and_acceptances_raise_it():
     p = AdaptiveK(StepCosts(1.0, 1.2, 0.2), 4, prior=0.8)
     start = p.acceptance
     for _ in range(5):
-        p.observe(4, 0)
+        p.observe("draft", 4, 0)
     low = p.acceptance
     assert low < start
     for _ in range(5):
-        p.observe(4, 4)
+        p.observe("draft", 4, 4)
     assert p.acceptance > low
+    p.observe("lookup", 4, 0)             # lookup verdicts do not move the draft's estimate
+    assert p.acceptance == pytest.approx(p.draft.mean)
+    before = p.acceptance
+    p.observe("lookup", 3, 0)
+    assert p.acceptance == before
 
 
 def test_a_bad_stretch_moves_the_choice_to_plain_and_a_probe_comes_back():
     p = AdaptiveK(StepCosts(decode=1.0, verify=1.3, draft=0.3), 4, prior=0.9, cooldown=5)
-    assert p.choose() >= 3
+    how, k = p.choose()
+    assert how == "draft" and k >= 3
     for _ in range(10):
-        p.observe(4, 0)                   # every draft token rejected
-    assert p.choose() == 0
-    ks = []
+        p.observe("draft", 4, 0)          # every draft token rejected
+    assert p.choose() == ("plain", 0)
+    rounds = []
     for _ in range(6):
-        k = p.choose()
-        ks.append(k)
-        p.observe(k, 0 if k == 0 else k)  # the probe round is fully accepted
-    assert ks[:5] == [0] * 5 and ks[5] > 0, ks
-    assert p.rounds["probe"] >= 1
+        how, k = p.choose()
+        rounds.append(how)
+        p.observe(how, k, k)              # the probe round is fully accepted
+    assert rounds == ["plain"] * 5 + ["draft"], rounds
+    assert p.rounds["probe"] == 1
 
 
 def test_the_budget_caps_k_and_zero_budget_is_a_plain_step():
     p = AdaptiveK(StepCosts(1.0, 1.1, 0.05), 4, prior=0.95)
-    assert p.choose(2) == 2
-    assert p.choose(0) == 0
+    assert p.choose(2) == ("draft", 2)
+    assert p.choose(0) == ("plain", 0)
+    assert p.choose(0, lookup_len=3) == ("plain", 0)
+
+
+def test_a_free_lookup_guess_wins_over_a_costly_draft_and_loses_once_it_keeps_failing():
+    p = AdaptiveK(StepCosts(decode=7.9, verify=12.1, draft=8.6), 4, prior=0.68, lookup_prior=0.8)
+    assert p.choose(4, lookup_len=0) == ("plain", 0)
+    assert p.choose(4, lookup_len=3) == ("lookup", 3)
+    for _ in range(8):
+        p.observe("lookup", 3, 0)
+    assert p.choose(4, lookup_len=3) == ("plain", 0)
+
+
+def test_lookup_never_proposes_more_than_the_budget_allows():
+    p = AdaptiveK(StepCosts(decode=1.0, verify=1.0, draft=5.0), 4, lookup_prior=0.9)
+    assert p.choose(2, lookup_len=4) == ("lookup", 2)
 
 
 def test_costs_come_from_the_manifest_or_not_at_all():
@@ -130,6 +151,20 @@ def test_a_draft_worth_it_keeps_drafting(cheap_draft, prompt):
     m = g.last_metrics
     # at most one plain step: the last token, when only one remains (no room for a draft)
     assert m.plain_steps <= 1 and m.drafted >= 25, m.as_dict()
+
+
+REPEATS = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9]
+
+
+def test_prompt_lookup_rounds_keep_greedy_output_identical(costly_draft):
+    g = SpeculativeGenerator(costly_draft)
+    for prompt in (REPEATS, PROMPTS[2]):
+        plain = _tokens(g, prompt, 40, "plain")
+        assert _tokens(g, prompt, 40, ngram=1) == plain
+        assert _tokens(g, prompt, 40, ngram=0) == plain
+        assert g.last_metrics.lookup_rounds == 0       # ngram=0: no lookup
+    _tokens(g, REPEATS, 40, ngram=1)
+    assert g.last_metrics.lookup_rounds > 0, g.last_metrics.as_dict()
 
 
 def test_adaptive_is_off_for_an_explicit_k_without_costs_or_when_asked(costly_draft, tiny_engines):

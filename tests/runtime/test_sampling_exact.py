@@ -76,35 +76,43 @@ def warp_effects(logits: np.ndarray) -> dict[str, float]:
             "top_p_gap": float(np.abs(cumulative - tp).min())}
 
 
-@pytest.fixture(scope="module")
-def target_tree(tiny_pair):
-    """{prefix: (logits at the position after PROMPT + prefix)} for every prefix of length
+def tree_of(model_dir, prompt: list[int]) -> dict:
+    """{prefix: (logits at the position after prompt + prefix)} for every prefix of length
     < DEPTH with nonzero warped probability."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tree, frontier = {}, [()]
     for _ in range(DEPTH):
         nxt = []
         for prefix in frontier:
             with torch.no_grad():
-                tree[prefix] = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double().numpy()
+                tree[prefix] = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double().numpy()
             nxt += [prefix + (int(t),) for t in np.flatnonzero(warp_by_definition(tree[prefix], **PARAMS))]
         frontier = nxt
     return tree
 
 
-@pytest.fixture(scope="module")
-def exact(target_tree) -> dict[tuple, float]:
+def exact_of(tree: dict) -> dict[tuple, float]:
     """Exact distribution of the first DEPTH tokens under the warped target."""
     dist = {(): 1.0}
     for _ in range(DEPTH):
         dist = {prefix + (int(t),): pr * float(p[t])
                 for prefix, pr in dist.items()
-                for p in [warp_by_definition(target_tree[prefix], **PARAMS)] for t in np.flatnonzero(p)}
+                for p in [warp_by_definition(tree[prefix], **PARAMS)] for t in np.flatnonzero(p)}
     assert abs(sum(dist.values()) - 1) < 1e-9
     return dist
+
+
+@pytest.fixture(scope="module")
+def target_tree(tiny_pair):
+    return tree_of(tiny_pair[0], PROMPT)
+
+
+@pytest.fixture(scope="module")
+def exact(target_tree) -> dict[tuple, float]:
+    return exact_of(target_tree)
 
 
 def fit_of(exact: dict, counts: Counter):
@@ -207,32 +215,50 @@ def test_a_wrong_accept_rule_fails_the_same_check(gen, exact, monkeypatch, wrong
 
 
 class Scripted:
-    """A policy (runtime/adaptive.py's interface) that plays a fixed script of draft lengths,
-    plain steps (k = 0) included, whatever verdicts it sees."""
+    """A policy (runtime/adaptive.py's interface) that plays a fixed script of rounds, plain
+    steps and prompt-lookup rounds included, whatever verdicts it sees. A lookup entry falls
+    back to the draft when prompt lookup has no guess this round."""
 
     def __init__(self, script):
         self.script, self.i = list(script), 0
 
-    def choose(self, budget_k=None):
-        k = self.script[self.i % len(self.script)]
+    def choose(self, budget_k=None, lookup_len=0):
+        how, k = self.script[self.i % len(self.script)]
         self.i += 1
-        return k if budget_k is None else min(k, budget_k)
+        k = k if budget_k is None else min(k, budget_k)
+        if how == "lookup":
+            how, k = ("lookup", min(k, lookup_len)) if lookup_len else ("draft", k)
+        return (how, k) if k or how == "plain" else ("plain", 0)
 
-    def observe(self, k, accepted):
+    def observe(self, how, k, accepted):
         pass
 
 
-@pytest.mark.parametrize("script", [(0, 2, 3), (1, 0, 3)])
-def test_sampling_stays_exact_when_rounds_mix_plain_steps_and_draft_lengths(gen, exact, monkeypatch, script):
-    """The adaptive policy's fallback: a plain step between speculative rounds samples from
-    the target's own row; any k fixed before a round's draws keeps the rule exact."""
+@pytest.mark.parametrize("script", [(("plain", 0), ("draft", 2), ("draft", 3)),
+                                    (("draft", 1), ("plain", 0), ("draft", 3)),
+                                    (("lookup", 3), ("lookup", 2), ("plain", 0))])
+def test_sampling_stays_exact_when_rounds_mix_plain_steps_lookup_and_draft_lengths(gen, tiny_pair, exact,
+                                                                                  monkeypatch, script):
+    """The adaptive policy's rounds: a plain step samples from the target's own row; a
+    lookup guess is a draft with a one-hot distribution; any k and proposer fixed before a
+    round's draws keep the rule exact."""
+    wants_lookup = any(how == "lookup" for how, _ in script)
+    prompt = PROMPT
+    if wants_lookup:   # the prompt followed by the target's own greedy text: lookup guesses the target often likes
+        prompt = PROMPT + [e.token for e in gen.tokens(PROMPT, max_new_tokens=40, method="plain")]
+    want = exact_of(tree_of(tiny_pair[0], prompt)) if wants_lookup else exact
     monkeypatch.setattr(gen, "_policy", lambda: Scripted(script))
-    counts, plain_steps = Counter(), 0
+    counts, plain, looked, accepted, proposed = Counter(), 0, 0, 0, 0
     for seed in range(N // 2):
         sp = SamplingParams(**PARAMS, seed=seed)
-        toks = [e.token for e in gen.tokens(PROMPT, max_new_tokens=NEW, sampling=sp)]
+        toks = [e.token for e in gen.tokens(prompt, max_new_tokens=NEW, sampling=sp, ngram=1)]
         counts[tuple(toks[:DEPTH])] += 1
-        plain_steps += gen.last_metrics.plain_steps
-    assert plain_steps >= N // 2            # every run took a plain step among its rounds
-    fit = fit_of(exact, counts)
+        plain += gen.last_metrics.plain_steps
+        looked += gen.last_metrics.lookup_rounds
+        accepted += gen.last_metrics.accepted
+        proposed += gen.last_metrics.drafted
+    assert plain >= N // 4 and (looked >= N // 4 if wants_lookup else looked == 0), (plain, looked)
+    if wants_lookup:   # the check means something only if lookup guesses are both accepted and rejected
+        assert 0.1 < accepted / proposed < 0.9, (accepted, proposed)
+    fit = fit_of(want, counts)
     assert fit.passes and fit.outside_support == 0, fit
