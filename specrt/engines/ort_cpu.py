@@ -1,4 +1,6 @@
-"""Assemble the CPU artifacts of a build into a manifest."""
+"""Assemble the artifacts of a build into a manifest (the writer every backend shares:
+the ONNX Runtime CPU and CUDA builds pass their device, a TensorRT build adds its engine
+fields with engines/tensorrt.py before `save_manifest`)."""
 from __future__ import annotations
 
 import platform
@@ -34,14 +36,25 @@ def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
                          parity=part.get("parity", {}))
 
 
-def write_manifest(out: Path, shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict) -> mf.Manifest:
-    """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}."""
+def assemble_manifest(shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
+                      device: dict | None = None) -> mf.Manifest:
+    """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}.
+    device: the build's target device (default: this CPU)."""
     models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
-    man = mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=mf.this_device(),
-                      tools=tool_versions(), build=build)
+    return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or mf.this_device(),
+                       tools=tool_versions(), build=build)
+
+
+def save_manifest(man: mf.Manifest, out: Path) -> mf.Manifest:
+    """Check every named file and hash, then write manifest.json (atomically)."""
     mf.check_files(man, out, hashes=True)
     man.save(out)
     return man
+
+
+def write_manifest(out: Path, shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
+                   device: dict | None = None) -> mf.Manifest:
+    return save_manifest(assemble_manifest(shapes, parts, tokenizer, build, device), out)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -2,9 +2,11 @@
 
     auto -> "tensorrt"  when TensorRT imports and a CUDA GPU is visible
          -> "ort-cuda"  when onnxruntime-gpu (CUDAExecutionProvider) and a GPU are there
-         -> "ort-cpu"   otherwise
+         -> "ort-cpu"   otherwise (auto never cross-builds)
 An explicit request is honoured or refused with what is missing; it never falls back
-silently. The decision is a pure function of a `Probe`, so it is tested on CPU with fake
+silently. `ort-cuda` is always honoured: its fp16 ONNX graphs are built and checked on
+ONNX Runtime CPU, so a CPU machine can cross-build them; the reason then says that the
+CUDA execution was not verified (`cuda_verifiable(probe)` is False). The decision is a pure function of a `Probe`, so it is tested on CPU with fake
 probes; `probe()` looks at this machine. The GPU backends themselves have not run on a
 GPU yet (README "GPU path").
 """
@@ -39,16 +41,18 @@ def select_backend(requested: str, probe: Probe) -> tuple[str, str]:
     if requested == "tensorrt":
         if not probe.tensorrt or not probe.gpu:
             missing = " and ".join(x for x, ok in (("TensorRT", probe.tensorrt), ("a CUDA GPU", probe.gpu)) if not ok)
-            raise BackendUnavailableError(f"--backend tensorrt needs TensorRT and a CUDA GPU; this machine lacks "
-                                          f"{missing}: use --backend auto, ort-cuda or ort-cpu")
+            raise BackendUnavailableError(
+                f"--backend tensorrt needs TensorRT and a CUDA GPU; this machine lacks {missing}: run the build on "
+                "a machine with an NVIDIA GPU, TensorRT 11 (`tensorrt` for CUDA 13) and cuda-python, or build "
+                "here with --backend ort-cuda (fp16 ONNX graphs, cross-built) or ort-cpu")
         return "tensorrt", f"requested; TensorRT {probe.tensorrt} on {gpu}"
     if requested == "ort-cuda":
-        if not probe.ort_cuda or not probe.gpu:
+        if not cuda_verifiable(probe):
             missing = " and ".join(x for x, ok in (("onnxruntime-gpu (CUDAExecutionProvider)", probe.ort_cuda),
                                                    ("a CUDA GPU", probe.gpu)) if not ok)
-            raise BackendUnavailableError(f"--backend ort-cuda needs onnxruntime-gpu and a CUDA GPU; this machine "
-                                          f"lacks {missing}: `pip install specrt[cuda]` on a GPU machine, "
-                                          "or use ort-cpu")
+            return "ort-cuda", (f"requested; cross-build: this machine lacks {missing}, so the fp16 graphs are "
+                                "checked on ONNX Runtime CPU only and their CUDA execution is not verified "
+                                "(`pip install specrt[cuda]` on a GPU machine to verify it there)")
         return "ort-cuda", f"requested; onnxruntime CUDAExecutionProvider on {gpu}"
     # auto
     if probe.gpu and probe.tensorrt:
@@ -60,6 +64,11 @@ def select_backend(requested: str, probe: Probe) -> tuple[str, str]:
         return "ort-cpu", (f"auto: {gpu} found but neither TensorRT nor onnxruntime-gpu is installed; "
                            "running on the CPU")
     return "ort-cpu", "auto: no CUDA GPU found"
+
+
+def cuda_verifiable(probe: Probe) -> bool:
+    """Whether this machine can run the ort-cuda graphs on CUDA at build time."""
+    return bool(probe.gpu and probe.ort_cuda)
 
 
 def probe() -> Probe:

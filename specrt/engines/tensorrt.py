@@ -15,8 +15,9 @@ manifest fields, the timing-cache reuse and the refusal logic.
                                                            timing cache loaded from disk)
                                            ─ build_serialized_network ─ <role>/<graph>.plan
                                            ─ timing cache written back (reused by the next build)
-        -> engine fields (TensorRT version, GPU, compute capability, HW compat level,
-           builder settings, input hashes) ─ check_engine_compat at load time
+        -> trt_build.add_engines: manifest.json gets each graph's engine {file, sha256, bytes} and the
+           top-level engines {TensorRT version, GPU, compute capability, HW compat level,
+           builder settings, timing cache} ─ check_engine_compat at load time
 
 Precision is the graph's: an fp16 graph (export precision="fp16") gives an fp16 engine;
 an INT8 engine comes from a graph with symmetric Q/DQ nodes. TensorRT 11 has no FP16/INT8
@@ -25,7 +26,6 @@ builder flags. `import tensorrt` happens only inside `load_tensorrt()`.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +35,6 @@ from specrt.engines.errors import EngineBuildError, EngineCompatError, TensorRTM
 
 GRAPHS = ("prefill", "decode", "verify")
 HW_COMPAT = ("none", "ampere_plus", "same_compute_capability")   # trt.HardwareCompatibilityLevel members
-ENGINES_FILE = "tensorrt.json"
 # graph precisions TensorRT can build: float graphs, and INT8 as symmetric QuantizeLinear/DequantizeLinear
 TRT_PRECISIONS = ("fp32", "fp16", "int8-qdq")
 
@@ -276,31 +275,13 @@ def engine_fields(spec: EngineSpec, plan_sha256: str, settings: BuilderSettings,
 def check_engine_compat(fields: dict, here: dict) -> list[str]:
     """Refuse an engine this machine cannot run; returns warnings for what it can run but
     was not tuned for. here: {"tensorrt_version", "gpu_name", "compute_capability"} (the
-    TensorRT version is None when TensorRT is not installed)."""
-    what = f"the {fields['file']} engine"
-    rebuild = "rebuild the TensorRT engines on this machine (`specrt build --backend tensorrt`)"
-    if not here.get("tensorrt_version"):
-        raise EngineCompatError(f"{what} needs TensorRT {fields['tensorrt_version']}, which is not installed here: "
-                                "install it, or use the ONNX graphs with --backend ort-cpu / ort-cuda")
-    if here["tensorrt_version"] != fields["tensorrt_version"]:
-        # plans are tied to the exact TensorRT version (no version-compatible build here)
-        raise EngineCompatError(f"{what} was built with TensorRT {fields['tensorrt_version']}; this machine has "
-                                f"TensorRT {here['tensorrt_version']}: {rebuild}")
-    built, cc = _cc(fields["compute_capability"]), _cc(here["compute_capability"])
-    level = fields["hardware_compatibility_level"]
-    if level == "ampere_plus":
-        if cc < (8, 0):
-            raise EngineCompatError(f"{what} was built for Ampere or newer (compute capability >= 8.0); this GPU "
-                                    f"({here['gpu_name']}) has {here['compute_capability']}: {rebuild}")
-    elif cc != built:
-        raise EngineCompatError(
-            f"{what} was built for compute capability {fields['compute_capability']} ({fields['gpu_name']}); this "
-            f"GPU ({here['gpu_name']}) has {here['compute_capability']}: {rebuild}")
-    warnings = []
-    if here["gpu_name"] != fields["gpu_name"]:
-        warnings.append(f"{what} was tuned on {fields['gpu_name']}, this is {here['gpu_name']} (same architecture): "
-                        "it runs, possibly slower; rebuild here for tuned tactics")
-    return warnings
+    TensorRT version is None when TensorRT is not installed). The rule lives in the runtime
+    (specrt/runtime/backends/trt_compat.py), which applies it at load time."""
+    from specrt.runtime.backends import trt_compat
+    try:
+        return trt_compat.check_engine_compat(fields, here)
+    except trt_compat.EngineMismatchError as e:
+        raise EngineCompatError(str(e)) from None
 
 
 def _cc(s: str) -> tuple[int, int]:
@@ -310,36 +291,9 @@ def _cc(s: str) -> tuple[int, int]:
 
 # --- the whole build ----------------------------------------------------------------------
 
-def build_engines(onnx_dir: Path, out_dir: Path, settings: BuilderSettings = BuilderSettings(), *,
-                  builder: TensorRTBuilder | None = None, gpu: dict | None = None, log=None) -> dict:
-    """Build every planned engine of the ONNX build in onnx_dir into out_dir and write
-    out_dir/tensorrt.json (the engine fields, role -> graph -> fields). TensorRT's build log
-    goes to `log(severity, msg)`, by default out_dir/tensorrt-build.log. GPU-only."""
-    man = mf.load(onnx_dir)
-    specs = plan_engines(man)
-    for spec in specs:   # refuse an INT8 graph TensorRT cannot build before any GPU time is spent
-        if man.models[spec.role].precision == "int8-qdq":
-            import onnx
-            problems = qdq_problems(onnx.load(str(Path(onnx_dir) / spec.onnx)))
-            if problems:
-                raise EngineBuildError(f"{spec.onnx}: {len(problems)} Q/DQ node(s) TensorRT cannot build: "
-                                       + "; ".join(problems[:5]) + ": re-quantize symmetrically (zero point 0, "
-                                       "per-channel on weights only)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "tensorrt-build.log", "a") as log_file:
-        if builder is None:
-            sink = log or (lambda severity, msg: log_file.write(f"[{severity}] {msg}\n"))
-            builder = TensorRTBuilder(settings, out_dir / "timing.cache", log=sink)
-        version = str(builder.trt.__version__)
-        gpu = gpu or gpu_identity()
-        engines: dict[str, dict] = {}
-        for spec in specs:
-            plan = out_dir / spec.plan_file
-            builder.build(spec, Path(onnx_dir) / spec.onnx, plan)
-            engines.setdefault(spec.role, {})[spec.graph] = engine_fields(spec, mf.sha256_file(plan), settings,
-                                                                          version, gpu)
-    result = {"backend": "tensorrt", "timing_cache": "timing.cache", "build_log": "tensorrt-build.log",
-              "engines": engines}
-    _write_atomic(out_dir / ENGINES_FILE, json.dumps(result, indent=2).encode())
-    return result
+def build_engines(onnx_dir: Path, out_dir: Path | None = None, settings: BuilderSettings = BuilderSettings(),
+                  **kw) -> dict:
+    """Engines for an existing `--attention standard` ONNX build, their fields written into
+    manifest.json: see engines/trt_build.py (kept here for scripts/gpu_check.py)."""
+    from specrt.engines import trt_build
+    return trt_build.build_engines(onnx_dir, out_dir, settings, **kw)

@@ -1,12 +1,11 @@
 """The TensorRT builder with a fake `tensorrt` module (TensorRT is not installable here):
 the engine plan and its static shapes, the calls made (strongly typed network, parse from
 file, workspace, optimization and hardware-compatibility levels), timing-cache reuse
-across engines and builds, the manifest's engine fields, and the refusal of engines built
+across engines and builds, the engine fields written into manifest.json, and the refusal of engines built
 for another TensorRT version or GPU architecture. Nothing here has run TensorRT."""
 from __future__ import annotations
 
 import enum
-import json
 import sys
 import types
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from specrt import manifest as mf
 from specrt.engines import tensorrt as trt_engines
+from specrt.engines import trt_build
 from specrt.engines.errors import EngineBuildError, EngineCompatError, TensorRTMissingError
 
 H200 = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
@@ -237,23 +237,33 @@ def test_progress_is_reported_through_the_monitor(standard_build, tmp_path):
     assert seen == ["Building: 0/2", "Building: 1", "Building: done"]
 
 
-def test_build_engines_writes_every_plan_and_the_engine_fields(standard_build, tmp_path):
+def test_build_engines_writes_every_plan_and_the_engine_fields_into_the_manifest(standard_build, tmp_path):
     fake = fake_tensorrt([])
     settings = trt_engines.BuilderSettings(hardware_compatibility="same_compute_capability")
     b = trt_engines.TensorRTBuilder(settings, tmp_path / "timing.cache", trt=fake)
-    result = trt_engines.build_engines(standard_build, tmp_path, settings, builder=b, gpu=H200)
-    assert json.loads((tmp_path / "tensorrt.json").read_text()) == result
+    out = tmp_path / "trt"
+    result = trt_engines.build_engines(standard_build, out, settings, builder=b, gpu=H200)
+    assert not (out / "tensorrt.json").exists() and not (standard_build / "tensorrt.json").exists()
+    man = mf.load(out)                       # the ONNX build copied, plus the engine fields
+    onnx_man = mf.load(standard_build)
+    assert onnx_man.engines is None          # the source build is left as it was
     assert set(result["engines"]) == {"target", "draft"} and set(result["engines"]["draft"]) == {"prefill", "decode"}
-    f = result["engines"]["target"]["verify"]
-    man = mf.load(standard_build)
-    assert f["tensorrt_version"] == "11.1.0.106"
-    assert (f["gpu_name"], f["compute_capability"]) == ("NVIDIA H200", "9.0")
-    assert f["hardware_compatibility_level"] == "same_compute_capability"
-    assert f["builder"] == {"workspace_bytes": 4 << 30, "optimization_level": 3,
+    assert man.device["backend"] == "tensorrt" and man.device["gpu_name"] == "NVIDIA H200"
+    e = man.engines
+    assert e["tensorrt_version"] == "11.1.0.106"
+    assert (e["gpu_name"], e["compute_capability"]) == ("NVIDIA H200", "9.0")
+    assert e["hardware_compatibility_level"] == "same_compute_capability"
+    assert e["builder"] == {"workspace_bytes": 4 << 30, "optimization_level": 3,
                             "hardware_compatibility": "same_compute_capability", "strongly_typed": True}
-    assert f["inputs"]["onnx_sha256"] == man.target.graphs["verify"].sha256
-    assert f["inputs"]["weights_sha256"] == man.target.weights["sha256"]
-    assert f["sha256"] == mf.sha256_file(tmp_path / "target" / "verify.plan") and f["tokens"] == 4
+    assert e["timing_cache"] == {"file": str(tmp_path / "timing.cache"), "reused": False}
+    v = man.target.graphs["verify"]
+    assert v.sha256 == onnx_man.target.graphs["verify"].sha256          # the engine's input, by hash
+    assert v.engine == {"file": "target/verify.plan", "sha256": mf.sha256_file(out / "target" / "verify.plan"),
+                        "bytes": (out / "target" / "verify.plan").stat().st_size}
+    f = result["engines"]["target"]["verify"]
+    assert f == trt_build.engine_view(man, "target", "verify") and f["tokens"] == 4
+    assert trt_engines.check_engine_compat(f, {"tensorrt_version": "11.1.0.106", **H200}) == []
+    mf.check_files(man, out, hashes=True)
 
 
 # --- refusal -----------------------------------------------------------------------------------

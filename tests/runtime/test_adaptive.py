@@ -179,10 +179,8 @@ def test_adaptive_is_off_for_an_explicit_k_without_costs_or_when_asked(costly_dr
 def test_adaptive_refuses_what_it_cannot_do(costly_draft, tiny_engines):
     with pytest.raises(ConfigError, match="plain"):
         SpeculativeGenerator(costly_draft, adaptive=True, methods=("speculative",))
-    man = json.loads((tiny_engines / "manifest.json").read_text())
-    if "speculation" not in man.get("build", {}):
-        with pytest.raises(ConfigError, match="rebuild"):
-            SpeculativeGenerator(tiny_engines, adaptive=True)
+    with pytest.raises(ConfigError, match="rebuild"):
+        SpeculativeGenerator(tiny_engines, adaptive=True)
     with pytest.raises(ConfigError):
         SpeculativeGenerator(costly_draft, adaptive="yes")
 
@@ -203,3 +201,26 @@ def test_stopping_early_in_a_plain_round_leaves_the_cache_at_what_was_emitted(co
     it.close()
     assert g.target.cache.length == len(PROMPTS[1]) + len(got) - 1
     assert _tokens(g, PROMPTS[1], 9, "plain") == got
+
+
+# --- the build's plan ---------------------------------------------------------------------------
+
+def test_a_build_times_its_graphs_and_records_the_plan_that_turns_adaptive_k_on(tmp_path, tiny_pair):
+    from conftest import build_tiny
+    out = build_tiny(tmp_path / "planned", tiny_pair[0], "int8", measure_costs=True)
+    spec = json.loads((out / "manifest.json").read_text())["build"]["speculation"]
+    costs = spec["costs_ms"]
+    assert all(costs[g] > 0 for g in ("target_decode", "target_verify", "draft_decode")), costs
+    assert set(spec["predicted"]) == {"k=1", "k=2", "k=3"}
+    assert 0.0 < spec["acceptance"] <= 1.0
+    best = max(spec["predicted"].values())
+    chosen = spec["chosen"]
+    assert (chosen["method"], chosen["predicted_speedup"]) == (("speculative", best) if best > 1.0 else ("plain", 1.0))
+    g = SpeculativeGenerator(out)
+    assert g.adaptive and g.costs == StepCosts.from_manifest(spec)
+    assert _tokens(g, PROMPTS[1], 30) == _tokens(g, PROMPTS[1], 30, "plain")
+
+
+def test_a_build_without_timings_has_no_plan_and_a_fixed_k(tiny_engines):
+    assert "speculation" not in json.loads((tiny_engines / "manifest.json").read_text())["build"]
+    assert not SpeculativeGenerator(tiny_engines).adaptive
