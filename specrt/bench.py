@@ -15,11 +15,16 @@ from specrt.runtime import SamplingParams, SpeculativeGenerator
 
 
 def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: str, ngram: int = 2):
+    """method: "plain", "speculative" (a fixed k: what the prediction describes), "adaptive"
+    (speculative with adaptive k and prompt lookup, as the generator runs it by default when
+    the build measured its costs) or "lookup"."""
     eos = gen.tokenizer.eos_token_ids
     toks = []
+    adaptive = None if method in ("plain", "lookup") else method == "adaptive"
+    method = "speculative" if method == "adaptive" else method
     if method == "speculative" and gen.draft is None:
-        method = "lookup"    # engines built with --draft none: prompt lookup is their speculation (greedy)
-    for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling, method=method, ngram=ngram):
+        method, adaptive = "lookup", None   # engines built with --draft none: prompt lookup is their speculation
+    for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling, method=method, ngram=ngram, adaptive=adaptive):
         toks.append(e.token)
         if e.token in eos:
             break
@@ -80,6 +85,7 @@ class _Sum:
     def __init__(self):
         self.time_verify = self.time_draft = 0.0
         self.iterations = self.drafted = self.accepted = 0
+        self.plain_steps = self.lookup_rounds = 0
 
     def add(self, m) -> None:
         self.time_verify += m.time_verify
@@ -101,10 +107,15 @@ class _Variant:
         self.plain_out: list[list[int]] = []
         self.t = {"plain": 0.0, "speculative": 0.0}
         self.n = {"plain": 0, "speculative": 0}
-        self.sums = {"plain": _Sum(), "speculative": _Sum(), "lookup": _Sum()}
+        self.sums = {"plain": _Sum(), "speculative": _Sum(), "lookup": _Sum(), "adaptive": _Sum()}
         self.t["lookup"], self.n["lookup"] = 0.0, 0
+        self.t["adaptive"], self.n["adaptive"] = 0.0, 0
         self.identical = True
         self.lookup_identical = True
+        # adaptive k runs where the build measured its costs (manifest build.speculation)
+        self.adaptive = gen.costs is not None and gen.draft is not None and "decode" in gen.target_graphs
+        self.adaptive_identical = True
+        self.plan = (gen.manifest.build or {}).get("speculation", {}).get("chosen")
 
 
 def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens: int = 128, rounds: int = 1,
@@ -149,13 +160,20 @@ def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens:
 def _bench_prompt(v: _Variant, i: int, r: int, max_new_tokens: int, sampling, out, name_w: int,
                   lookup: int) -> None:
     ids = v.prompt_ids[i]
-    order = ("plain", "speculative") if (i + r) % 2 == 0 else ("speculative", "plain")
-    res = {m: _run(v.gen, ids, max_new_tokens, sampling, m) for m in order}
+    order = ("plain", "speculative") + (("adaptive",) if v.adaptive else ())
+    shift = (i + r) % len(order)
+    res = {m: _run(v.gen, ids, max_new_tokens, sampling, m) for m in order[shift:] + order[:shift]}
+    if v.adaptive:
+        v.adaptive_identical &= res["adaptive"][0] == res["plain"][0]
     if lookup:
         res["lookup"] = _run_lookup(v.gen, ids, max_new_tokens, lookup)
         v.lookup_identical &= res["lookup"][0] == res["plain"][0]
     (tp, dp, _), (ts, ds, ms) = res["plain"], res["speculative"]
     same = tp == ts
+    if v.adaptive:
+        ma = res["adaptive"][2]
+        v.sums["adaptive"].plain_steps += ma.plain_steps
+        v.sums["adaptive"].lookup_rounds += ma.lookup_rounds
     v.identical &= same
     for m, (toks, dt, met) in res.items():
         v.t[m] += dt
@@ -166,6 +184,9 @@ def _bench_prompt(v: _Variant, i: int, r: int, max_new_tokens: int, sampling, ou
     row = {"prompt": i, "round": r, "plain_tok_s": len(tp) / dp, "spec_tok_s": len(ts) / ds, "identical": same,
            "acceptance_rate": ms.acceptance_rate, "mean_acceptance_length": ms.mean_acceptance_length,
            "tokens": len(ts)}
+    if v.adaptive:
+        row["adaptive_tok_s"] = len(res["adaptive"][0]) / res["adaptive"][1]
+        row["adaptive_identical"] = res["adaptive"][0] == tp
     if lookup:
         row["lookup_tok_s"] = len(res["lookup"][0]) / res["lookup"][1]
         row["lookup_identical"] = res["lookup"][0] == tp
@@ -193,6 +214,14 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
             "top1_agreement_with_fp32": v.agreement,
             "prediction": predicted_speedup(s_plain, s_spec, v.gen.k), "rows": v.rows, "memory": v.mem,
         })
+        if v.adaptive:
+            sa = v.sums["adaptive"]
+            reports[-1]["adaptive"] = {
+                "tok_s": v.n["adaptive"] / v.t["adaptive"], "speedup": v.n["adaptive"] / v.t["adaptive"] / plain_tps,
+                "identical": v.adaptive_identical, "build_plan": v.plan,
+                "plain_step_share": sa.plain_steps / sa.iterations if sa.iterations else 0.0,
+                "lookup_round_share": sa.lookup_rounds / sa.iterations if sa.iterations else 0.0,
+                "mean_acceptance_length": 1 + sa.accepted / sa.iterations if sa.iterations else 0.0}
         if lookup:
             sl = v.sums["lookup"]
             reports[-1]["lookup"] = {"ngram": lookup, "tok_s": v.n["lookup"] / v.t["lookup"],
@@ -202,7 +231,8 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
     base = reports[0]["plain_tok_s"]
     greedy = sampling.greedy
     report = {"greedy": greedy, "max_new_tokens": max_new_tokens, "prompts": prompts, "rounds": rounds,
-              "identical": all(r["identical"] and r.get("lookup", {}).get("identical", True) for r in reports),
+              "identical": all(r["identical"] and r.get("lookup", {}).get("identical", True)
+                               and r.get("adaptive", {}).get("identical", True) for r in reports),
               "variants": reports,
               # the first folder's figures at the top level, as a one-folder bench always reported them
               **{key: reports[0][key] for key in ("engines", "k", "plain_tok_s", "spec_tok_s", "speedup",
@@ -235,6 +265,13 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
             "step costs; top1 fp32: teacher-forced agreement recorded at build; =1st plain: prompts whose plain "
             "output equals the first folder's)")
     for r in reports:
+        if "adaptive" in r:
+            ad, plan = r["adaptive"], r["adaptive"]["build_plan"] or {}
+            out(f"adaptive k + prompt lookup {r['engines']}: {ad['tok_s']:.1f} tok/s, x{ad['speedup']:.2f} over its "
+                f"plain (build plan: {plan.get('method')} k={plan.get('k')}, predicted x"
+                f"{plan.get('predicted_speedup', 0):.2f}) | plain steps {ad['plain_step_share']:.0%}, lookup rounds "
+                f"{ad['lookup_round_share']:.0%} of target passes, {ad['mean_acceptance_length']:.2f} tokens per pass | "
+                + (("identical to plain: " + ("yes" if ad["identical"] else "NO")) if greedy else "sampled"))
         if "lookup" in r:
             lk = r["lookup"]
             out(f"prompt lookup n={lk['ngram']} (measured) {r['engines']}: {lk['tok_s']:.1f} tok/s, x{lk['speedup']:.2f} "

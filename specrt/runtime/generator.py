@@ -150,6 +150,9 @@ class SpeculativeGenerator:
         if adaptive is None:
             return costs, costs is not None and k is None and "decode" in self.target_graphs \
                 and "speculative" in self.methods
+        return costs, self._check_adaptive(adaptive, costs)
+
+    def _check_adaptive(self, adaptive, costs) -> bool:
         if adaptive not in (True, False):
             raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
         if adaptive and costs is None:
@@ -159,11 +162,13 @@ class SpeculativeGenerator:
         if adaptive and "decode" not in self.target_graphs:
             raise ConfigError("adaptive=True falls back to plain decoding steps, so it needs the target's "
                               "one-token graph: include 'plain' in methods")
-        return costs, adaptive
+        return adaptive
 
     def _policy(self) -> AdaptiveK | None:
-        if not self.adaptive:
-            return None
+        """The policy of one generation under the instance's setting (None: fixed k)."""
+        return self._new_policy() if self.adaptive else None
+
+    def _new_policy(self) -> AdaptiveK:
         agree = (self.manifest.draft.parity or {}).get("agreement_with_target") or {}
         return AdaptiveK(self.costs, self.k, prior=float(agree.get("top1_agreement", 0.8)))
 
@@ -196,13 +201,14 @@ class SpeculativeGenerator:
         return self.tokenizer.encode(prompt)
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-               method: str = "speculative", ngram: int = 2) -> Iterator[Emitted]:
+               method: str = "speculative", ngram: int = 2, adaptive: bool | None = None) -> Iterator[Emitted]:
         """Yield generated tokens as they become final (EOS included; the caller stops).
         Arguments are checked here, before the first token is asked for.
         method: "speculative" (draft model), "plain", or "lookup" (prompt lookup: proposes the
         continuation of the latest earlier match of the last `ngram` tokens; greedy only).
         With adaptive k, "speculative" also verifies prompt lookup's guess (n = `ngram`) in
-        rounds where that pays better than the draft; ngram=0 turns this off."""
+        rounds where that pays better than the draft; ngram=0 turns this off.
+        adaptive: this call's setting (None: the instance's, see __init__)."""
         sampling = sampling or SamplingParams()
         if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < (1 if method == "lookup" else 0):
             raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match; "
@@ -232,9 +238,13 @@ class SpeculativeGenerator:
         if max(prompt_ids) >= self.vocab or min(prompt_ids) < 0:
             raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab}): encode the prompt with "
                                          "this build's tokenizer (pass text, or gen.tokenizer.encode(text))")
-        return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram)
+        if adaptive is not None:
+            self._check_adaptive(adaptive, self.costs)
+        return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram,
+                            adaptive)
 
-    def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram=2) -> Iterator[Emitted]:
+    def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram=2,
+                adaptive=None) -> Iterator[Emitted]:
         if not self._busy.acquire(blocking=False):
             gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
             if not self._busy.acquire(blocking=False):
@@ -243,11 +253,12 @@ class SpeculativeGenerator:
                     "thread is using it); its caches hold one generation at a time: finish or close() the other "
                     "stream first, or give each thread or worker its own SpeculativeGenerator")
         try:
-            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram)
+            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram, adaptive)
         finally:
             self._busy.release()
 
-    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram) -> Iterator[Emitted]:
+    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram,
+                       adaptive) -> Iterator[Emitted]:
         P = len(prompt_ids)
         m = self.last_metrics = Metrics(method=method, k=0 if method == "plain" else self.k, prompt_tokens=P)
         rng = np.random.default_rng(sampling.seed)
@@ -265,7 +276,9 @@ class SpeculativeGenerator:
             else:
                 inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
                                            draft_start=P, shared_cache=self.draft.shares_cache,
-                                           seq=list(prompt_ids), policy=(policy := self._policy()),
+                                           seq=list(prompt_ids),
+                                           policy=(policy := self._policy() if adaptive is None else
+                                                   self._new_policy() if adaptive else None),
                                            lookup_n=ngram if policy is not None else 0)
             with _closing(inner):
                 yield from inner

@@ -205,9 +205,15 @@ def test_stopping_early_in_a_plain_round_leaves_the_cache_at_what_was_emitted(co
 
 # --- the build's plan ---------------------------------------------------------------------------
 
-def test_a_build_times_its_graphs_and_records_the_plan_that_turns_adaptive_k_on(tmp_path, tiny_pair):
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, tiny_pair):
     from conftest import build_tiny
-    out = build_tiny(tmp_path / "planned", tiny_pair[0], "int8", measure_costs=True)
+    return build_tiny(tmp_path_factory.mktemp("planned") / "e", tiny_pair[0], "int8", measure_costs=True,
+                      max_context=256)   # room for the bench's built-in chat prompts
+
+
+def test_a_build_times_its_graphs_and_records_the_plan_that_turns_adaptive_k_on(planned):
+    out = planned
     spec = json.loads((out / "manifest.json").read_text())["build"]["speculation"]
     costs = spec["costs_ms"]
     assert all(costs[g] > 0 for g in ("target_decode", "target_verify", "draft_decode")), costs
@@ -224,3 +230,21 @@ def test_a_build_times_its_graphs_and_records_the_plan_that_turns_adaptive_k_on(
 def test_a_build_without_timings_has_no_plan_and_a_fixed_k(tiny_engines):
     assert "speculation" not in json.loads((tiny_engines / "manifest.json").read_text())["build"]
     assert not SpeculativeGenerator(tiny_engines).adaptive
+
+
+def test_a_call_can_override_the_instances_setting(planned, tiny_engines):
+    g = SpeculativeGenerator(planned)
+    _tokens(g, PROMPTS[2], 30, adaptive=False)
+    assert g.last_metrics.plain_steps == 0 and g.last_metrics.lookup_rounds == 0
+    with pytest.raises(ConfigError, match="rebuild"):
+        _tokens(SpeculativeGenerator(tiny_engines), PROMPTS[2], 30, adaptive=True)
+
+
+def test_bench_runs_fixed_and_adaptive_k_side_by_side(planned):
+    from specrt.bench import run_bench
+    lines = []
+    report = run_bench(str(planned), prompts=2, max_new_tokens=12, out=lines.append)
+    ad = report["variants"][0]["adaptive"]
+    assert ad["identical"] and ad["tok_s"] > 0 and ad["build_plan"]["method"] in ("speculative", "plain")
+    assert report["identical"]
+    assert any(line.startswith("adaptive k + prompt lookup " + str(planned)) for line in lines), lines
