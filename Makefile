@@ -84,3 +84,24 @@ mutation: $(VENV)/.mutation
 $(VENV)/.mutation: pyproject.toml | $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[mutation]'
 	touch $@
+
+# peer comparison, not part of `make test`: onnxruntime-genai (int4, fp32) and llama.cpp
+# (Q4_1 = the GGUF itself, F32) against specrt's engines, interleaved prompt by prompt.
+# The peers get their own venv (llama-cpp-python builds from source: 3-16 min on 2 cores);
+# their models are built once from the same GGUF into .cache/peers/. Engines are built only
+# if missing. PEERS_ARGS e.g. '--prompts 4 --max-new-tokens 64 --systems specrt-int4-spec,genai-int4'
+PEERS_VENV := .venv-peers
+PEERS_ARGS ?=
+PEER_ENGINES := $(foreach e,$(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4,$(if $(wildcard $(e)/manifest.json),,$(e)/manifest.json))
+.PHONY: venv-peers bench-peers
+venv-peers: $(PEERS_VENV)/.installed
+$(PEERS_VENV)/.installed: benchmarks/peers/requirements.txt
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q torch==2.13.0
+	$(PEERS_VENV)/bin/pip install -q -r benchmarks/peers/requirements.txt
+	touch $@
+bench-peers: $(PEERS_VENV)/.installed $(GGUF) $(PEER_ENGINES) | venv
+	$(PEERS_VENV)/bin/python benchmarks/peers.py build
+	$(BIN)/python benchmarks/peers.py run $(PEERS_ARGS)
+	$(BIN)/python benchmarks/peers.py quality

@@ -1,0 +1,156 @@
+"""One long-lived worker per system: it loads one model, warms it up, then answers JSON
+requests a line at a time on stdin (one JSON reply a line on stdout).
+
+    python worker.py specrt ENGINE_DIR THREADS     (specrt's venv; methods plain/speculative/lookup)
+    python worker.py genai  MODEL_DIR  THREADS     (.venv-peers; onnxruntime-genai)
+    python worker.py llama  FILE.gguf  THREADS     (.venv-peers; llama-cpp-python)
+
+requests
+    {"op": "generate", "ids": [...], "n": 128, "eos": [...], "method": "plain"}
+        -> {"tokens": [...], "t_first": s, "t_total": s}   greedy; stops after an EOS or n tokens;
+           t_first = time to the first token (prefill and the first choice), t_total = all of it
+    {"op": "encode", "texts": [...]}   (specrt only) -> {"ids": [[...], ...], "eos": [...]}
+    {"op": "logits", "ids": [...], "tokens": [...], "out": "rows.npy"}   (genai only)
+        -> {"rows": [len(tokens), V]}   teacher-forced: the prompt, then one token at a time,
+           row i = the logits that choose tokens[i] (as specrt quality's teacher forcing)
+Every system is given token ids, never text: all of them see the same prompt.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+class Specrt:
+    def __init__(self, path: str, threads: int):
+        import specrt
+        from specrt.runtime import SpeculativeGenerator
+        self.gen = SpeculativeGenerator(path, threads=threads)
+        self.info = {"specrt": specrt.__version__, "precision": self.gen.manifest.target.precision,
+                     "k": self.gen.k, "draft": self.gen.draft is not None}
+        self.methods = self.gen.methods
+
+    def encode(self, texts):
+        """The chat-templated ids of each text, and the EOS ids: what every system is given."""
+        return {"ids": [self.gen.encode_prompt(t, chat=True) for t in texts],
+                "eos": sorted(self.gen.tokenizer.eos_token_ids)}
+
+    def generate(self, ids, n, eos, method="plain"):
+        toks, t_first = [], None
+        t0 = time.perf_counter()
+        stream = self.gen.tokens(ids, max_new_tokens=n, method=method)
+        try:
+            for e in stream:
+                if t_first is None:
+                    t_first = time.perf_counter() - t0
+                toks.append(e.token)
+                if e.token in eos:
+                    break
+        finally:
+            stream.close()
+        t_total = time.perf_counter() - t0
+        m = self.gen.last_metrics
+        return {"tokens": toks, "t_first": t_first, "t_total": t_total,
+                "mean_acceptance_length": m.mean_acceptance_length if method != "plain" else None}
+
+
+class Genai:
+    methods = ("plain",)
+
+    def __init__(self, path: str, threads: int):
+        import onnxruntime_genai as og
+        self.og = og
+        config = og.Config(path)
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.info = {"onnxruntime_genai": og.__version__}
+
+    def _generator(self, length: int):
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=length)
+        return self.og.Generator(self.model, params)
+
+    def generate(self, ids, n, eos, method="plain"):
+        toks, t_first = [], None
+        t0 = time.perf_counter()                 # the Generator (its KV buffers) is per request: timed
+        g = self._generator(len(ids) + n)
+        g.append_tokens(ids)                     # the prompt's forward pass
+        while not g.is_done() and len(toks) < n:
+            g.generate_next_token()              # the previous token's forward pass, then the choice
+            toks.append(int(g.get_next_tokens()[0]))
+            if t_first is None:
+                t_first = time.perf_counter() - t0
+            if toks[-1] in eos:
+                break
+        return {"tokens": toks, "t_first": t_first, "t_total": time.perf_counter() - t0}
+
+    def logits(self, ids, tokens, out):
+        import numpy as np
+        g = self._generator(len(ids) + len(tokens) + 1)
+        g.append_tokens(ids)
+        rows = [np.array(g.get_logits(), dtype=np.float32).reshape(-1)]
+        for t in tokens[:-1]:
+            g.append_tokens([t])
+            rows.append(np.array(g.get_logits(), dtype=np.float32).reshape(-1))
+        np.save(out, np.stack(rows))
+        return {"rows": [len(rows), int(rows[0].shape[0])]}
+
+
+class Llama:
+    methods = ("plain",)
+
+    def __init__(self, path: str, threads: int):
+        import llama_cpp
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.info = {"llama_cpp_python": llama_cpp.__version__}
+
+    def generate(self, ids, n, eos, method="plain"):
+        toks, t_first = [], None
+        self.llm.reset()                         # no prefix reuse from the previous request
+        t0 = time.perf_counter()
+        stream = self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True)
+        for t in stream:                         # temp 0: llama.cpp's greedy sampler
+            if t_first is None:
+                t_first = time.perf_counter() - t0
+            toks.append(int(t))
+            if t in eos or len(toks) >= n:
+                break
+        stream.close()
+        return {"tokens": toks, "t_first": t_first, "t_total": time.perf_counter() - t0}
+
+
+KINDS = {"specrt": Specrt, "genai": Genai, "llama": Llama}
+
+
+def main() -> int:
+    kind, path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr                      # libraries' prints must not corrupt the protocol
+    t0 = time.perf_counter()
+    system = KINDS[kind](path, threads)
+    warm = list(range(100, 196))                # 96 tokens: the batched prompt paths too
+    for method in system.methods:                # first-run allocations, outside the timing
+        system.generate(warm, 8, set(), method)
+    system.info["load_s"] = time.perf_counter() - t0
+    print(json.dumps({"ready": system.info}), file=real_stdout, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "generate":
+                reply = system.generate(req["ids"], req["n"], set(req["eos"]), req.get("method", "plain"))
+            elif req["op"] == "encode":
+                reply = system.encode(req["texts"])
+            elif req["op"] == "logits":
+                reply = system.logits(req["ids"], req["tokens"], req["out"])
+            else:
+                reply = {"error": f"unknown op {req['op']!r}"}
+        except Exception as e:                   # reported to the orchestrator, which stops
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), file=real_stdout, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
