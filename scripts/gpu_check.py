@@ -7,7 +7,14 @@ Per model (the tiny random llama always; the default SmolLM2 when its GGUF is pr
      total_sequence_length, standard) on CUDAExecutionProvider vs fp32 on CPU, and the fp32
      standard graph on CUDA vs CPU
   4. tensorrt (when TensorRT imports): `polygraphy run --trt --onnxrt` on the fp16
-     standard verify graph, and specrt's builder over a standard-op build of the model
+     standard verify graph
+  5. per GPU backend available (ort-cuda, tensorrt): `specrt build --backend B` of the
+     model, then the generator (runtime/backends/ort_cuda.py, trt_runtime.py) with CUDA
+     graphs on and off: greedy plain and speculative (or prompt lookup, for engines
+     without a draft) must agree with each other; their output against the fp32 CPU
+     engines' plain greedy output, with the first divergence and the fp32 top-2 margin
+     there (fp16 may flip near-ties); speculative vs plain decode tok/s; graph capture
+     counts and any eager fallback
 Greedy comparisons report the first divergence and the fp32 top-2 logit margin there: a
 flip at a margin within the logit tolerance is a near-tie (fp16 may flip those), a flip
 at a wider margin fails.
@@ -26,10 +33,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-# not implemented yet in specrt (issue 8 items 2, 3, 5): reported, never counted as passed
-NOT_YET = ("generator on ort-cuda with CUDA graphs on and off: no ONNX Runtime CUDA runtime backend yet",
-           "generator on TensorRT engines with CUDA-graph replay: no TensorRT runtime backend yet",
-           "speculative vs plain tokens/s on the GPU: needs a GPU runtime backend")
 CUDA = ("CUDAExecutionProvider", "CPUExecutionProvider")
 
 
@@ -108,25 +111,78 @@ def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results
             return ("PASS" if p.returncode == 0 else "FAIL"), " | ".join(tail)
 
         results.run(f"{name} standard fp16 verify: polygraphy --trt vs --onnxrt", poly)
-        results.run(f"{name}: specrt TensorRT builder over a standard-op build",
-                    lambda: build_trt(name, src, shapes, out))
     else:
         results.add(f"{name}: TensorRT checks", "NOT RUN", "TensorRT is not installed")
+    cpu = _build(src, shapes, out / name / "engines-ort-cpu-fp32", "ort-cpu")
+    for backend, present in (("ort-cuda", probe.ort_cuda), ("tensorrt", probe.tensorrt)):
+        if not present:
+            results.add(f"{name} {backend}: build and generator", "NOT RUN", f"{backend} is not available here")
+            continue
+        engines = {}
+        results.run(f"{name} {backend}: specrt build --backend {backend}",
+                    lambda b=backend: _built(engines, b, _build(src, shapes, out / name / f"engines-{b}", b)))
+        if backend in engines:
+            for graphs_on in (True, False):
+                results.run(f"{name} {backend}: generator, CUDA graphs {'on' if graphs_on else 'off'}",
+                            lambda b=backend, on=graphs_on: check_generator(engines[b], cpu, {"cuda_graphs": on},
+                                                                            prompt))
 
 
-def build_trt(name: str, src: Path, shapes, out: Path) -> tuple[str, str]:
+def _build(src: Path, shapes, out: Path, backend: str) -> Path:
+    """engines for `backend`, no draft (speculation is then prompt lookup): the GPU backends'
+    default draft; the CPU reference is the fp32 target's plain greedy output."""
     from specrt.config import BuildConfig
-    from specrt.engines import tensorrt as trt_engines
     from specrt.pipeline import build
+    return build(BuildConfig(target=str(src), out=str(out), draft="none", max_context=shapes.max_context,
+                             prefill_chunk=shapes.prefill_chunk, k=shapes.k, backend=backend,
+                             measure_costs=False), progress=False, force=True)
 
-    onnx_dir = out / name / "standard-build"
-    build(BuildConfig(target=str(src), out=str(onnx_dir), draft="none", max_context=shapes.max_context,
-                      prefill_chunk=shapes.prefill_chunk, k=shapes.k, attention="standard"), progress=False, force=True)
-    result = trt_engines.build_engines(onnx_dir, out / name / "trt", log=lambda sev, msg: None)
-    here = {"tensorrt_version": __import__("tensorrt").__version__, **trt_engines.gpu_identity()}
-    engines = [f for graphs in result["engines"].values() for f in graphs.values()]
-    warnings = [w for f in engines for w in trt_engines.check_engine_compat(f, here)]
-    return "PASS", f"{len(engines)} engines built; compat warnings: {warnings or 'none'}"
+
+def _built(store: dict, backend: str, path: Path) -> tuple[str, str]:
+    import json as _json
+    store[backend] = path
+    man = _json.loads((Path(path) / "manifest.json").read_text())
+    return "PASS", f"{path}: device {man['device']}; engines {man.get('engines', {}).get('tensorrt_version', '-')}"
+
+
+def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], n: int = 48) -> tuple[str, str]:
+    """Greedy on the GPU engines vs the fp32 CPU engines; plain vs prompt lookup on the GPU.
+    options: the backend's (e.g. {"cuda_graphs": False})."""
+    import numpy as np
+
+    from specrt.export.precision import FP16_ATOL, FP16_RTOL
+    from specrt.runtime import SpeculativeGenerator
+    from specrt.runtime.loop import prefill
+
+    ref_gen = SpeculativeGenerator(cpu)
+    gen = SpeculativeGenerator(engines, backend_options=options)
+    prompts = [prompt, prompt[::-1], prompt[:7] * 3]
+    detail, status, tps = [], "PASS", {"plain": [], "lookup": []}
+    for p in prompts:
+        ref = [e.token for e in ref_gen.tokens(p, max_new_tokens=n, method="plain")]
+        got = {}
+        for method in ("plain", "lookup"):
+            got[method] = [e.token for e in gen.tokens(p, max_new_tokens=n, method=method)]
+            tps[method].append(gen.last_metrics.decode_tokens_per_s)
+        if got["lookup"] != got["plain"]:
+            status = "FAIL"
+            detail.append("prompt lookup output differs from plain on the GPU (must be identical)")
+        same = next((i for i, (a, b) in enumerate(zip(ref, got["plain"])) if a != b), None)
+        if same is None:
+            detail.append(f"{len(ref)}/{len(ref)} identical to fp32 CPU")
+            continue
+        logits = prefill(ref_gen.target, ref_gen.manifest.target.graphs["prefill"].tokens, p + ref[:same])
+        top2 = np.sort(logits)[-2:]
+        margin, tol = float(top2[1] - top2[0]), FP16_ATOL + FP16_RTOL * float(np.abs(logits).max())
+        detail.append(f"first divergence at {same}: fp32 margin {margin:.3g} (tol {tol:.3g})")
+        if margin > tol:
+            status = "FAIL"
+    stats = getattr(gen.target, "graph_stats", lambda: {})()
+    fallbacks = getattr(gen.target, "eager_fallbacks", {})
+    plain, look = sum(tps["plain"]) / len(prompts), sum(tps["lookup"]) / len(prompts)
+    detail.append(f"decode tok/s plain {plain:.1f}, lookup {look:.1f} (x{look / plain:.2f}); graphs {stats}; "
+                  f"eager fallbacks {fallbacks or 'none'}")
+    return status, " | ".join(detail)
 
 
 def main(argv=None) -> int:
@@ -158,8 +214,6 @@ def main(argv=None) -> int:
     else:
         check_model("default", default, Shapes(batch=1, max_context=1024, prefill_chunk=64, k=4), args.out, p,
                     results, polygraphy=polygraphy)
-    for item in NOT_YET:
-        results.add(item, "NOT RUN", "not implemented")
     (args.out / "gpu_check.json").write_text(json.dumps(results.rows, indent=1))
     code = results.code()
     print(f"gpu_check: {'PASSED' if code == 0 else 'FAILED' if code == 1 else 'INCOMPLETE'} (exit {code}); "

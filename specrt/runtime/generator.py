@@ -65,9 +65,12 @@ class Completion:
 class SpeculativeGenerator:
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
                  memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full",
-                 profile_dir: str | Path | None = None, adaptive: bool | None = None):
+                 profile_dir: str | Path | None = None, adaptive: bool | None = None,
+                 backend_options: dict | None = None):
         """Load the engines in `engine_dir` (a folder written by `specrt build`).
 
+        backend_options: passed to the backend that opens the models, e.g. {"cuda_graphs": False}
+        for ort-cuda / tensorrt (CUDA-graph replay off); ort-cpu takes none.
         adaptive: choose each round's draft length from the acceptance so far and the step
         costs the build measured, falling back to plain steps when speculation does not pay
         (runtime/adaptive.py). None (default): on when the manifest has those costs, the
@@ -113,7 +116,7 @@ class SpeculativeGenerator:
             _check_same_vocab(man)
         check = mf.HashCheck(man, self.root) if verify == "full" else None
         try:
-            self._load(man, threads, memory, profile_dir)
+            self._load(man, threads, memory, profile_dir, dict(backend_options or {}))
         except (GraphFileError, BackendError):
             if check is not None:   # a damaged file explains a load failure better than ORT's message
                 try:
@@ -129,14 +132,21 @@ class SpeculativeGenerator:
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
 
-    def _load(self, man: mf.Manifest, threads: int, memory: str, profile_dir) -> None:
-        extra = {"profile_dir": Path(profile_dir)} if profile_dir else {}
+    def _load(self, man: mf.Manifest, threads: int, memory: str, profile_dir, extra: dict) -> None:
+        if profile_dir:
+            extra["profile_dir"] = Path(profile_dir)
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
         target_graphs = ("prefill",) + (("decode",) if {"plain", "lookup"} & set(self.methods) else ()) \
             + (("verify",) if {"speculative", "lookup"} & set(self.methods) else ())
         self.target_graphs = target_graphs
-        self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
-                               graphs=target_graphs, **extra)
+        try:
+            self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
+                                                  graphs=target_graphs, **extra)
+        except TypeError as e:   # an option this backend does not take
+            if "unexpected keyword" not in str(e):
+                raise
+            raise ConfigError(f"backend_options {sorted(extra)}: the {self.backend.name} backend does not take "
+                              f"them ({e})") from None
         self.draft = None
         if man.draft is not None and "speculative" in self.methods:
             shared = man.draft.shares_cache_with == "target"

@@ -61,7 +61,8 @@ def test_with_a_pretend_gpu_the_cpu_comparisons_run_and_every_gpu_check_is_liste
     assert status["tiny standard: fp16 vs fp32, both on ORT CPU"] == "PASS"
     assert status["tiny gqa static total: fp16 vs fp32, both on ORT CPU"] == "PASS"
     assert status["tiny: ORT CUDA checks"] == status["tiny: TensorRT checks"] == "NOT RUN"
-    assert sum(s == "NOT RUN" for s in status.values()) >= 2 + 1 + 3
+    assert status["tiny ort-cuda: build and generator"] == status["tiny tensorrt: build and generator"] == "NOT RUN"
+    assert sum(s == "NOT RUN" for s in status.values()) >= 2 + 1 + 2
 
 
 def test_a_greedy_flip_is_a_near_tie_only_within_the_logit_tolerance():
@@ -72,3 +73,13 @@ def test_a_greedy_flip_is_a_near_tie_only_within_the_logit_tolerance():
     assert check.greedy_status(report)[0] == "PASS" and "near-tie" in check.greedy_status(report)[1]
     report["greedy"]["first_divergence"]["fp32_top2_margin"] = 2.0
     assert check.greedy_status(report)[0] == "FAIL"
+
+
+def test_the_generator_check_passes_identical_engines_and_reports_speed(tiny_pair, tmp_path):
+    """check_generator on two CPU folders: what it runs on a GPU against the fp32 CPU engines."""
+    from conftest import build_tiny
+    check = _load_check()
+    engines = build_tiny(tmp_path / "e", tiny_pair[0], "none")
+    status, detail = check.check_generator(engines, engines, {}, [5, 6, 7, 8, 9, 10] * 3, n=24)
+    assert status == "PASS", detail
+    assert detail.count("24/24 identical to fp32 CPU") == 3 and "decode tok/s plain" in detail

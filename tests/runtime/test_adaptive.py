@@ -248,3 +248,8 @@ def test_bench_runs_fixed_and_adaptive_k_side_by_side(planned):
     assert ad["identical"] and ad["tok_s"] > 0 and ad["build_plan"]["method"] in ("speculative", "plain")
     assert report["identical"]
     assert any(line.startswith("adaptive k + prompt lookup " + str(planned)) for line in lines), lines
+
+
+def test_backend_options_the_backend_does_not_take_are_a_config_error(tiny_engines):
+    with pytest.raises(ConfigError, match="ort-cpu backend does not take"):
+        SpeculativeGenerator(tiny_engines, backend_options={"cuda_graphs": False})
