@@ -4,7 +4,6 @@ fields with engines/tensorrt.py before `save_manifest`)."""
 from __future__ import annotations
 
 import platform
-import shutil
 from pathlib import Path
 
 from specrt import __version__
@@ -55,15 +54,3 @@ def save_manifest(man: mf.Manifest, out: Path) -> mf.Manifest:
 def write_manifest(out: Path, shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
                    device: dict | None = None) -> mf.Manifest:
     return save_manifest(assemble_manifest(shapes, parts, tokenizer, build, device), out)
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished build into place; the previous build survives a failed one."""
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
