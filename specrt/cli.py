@@ -163,6 +163,10 @@ def cmd_quality(a) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
+    if a.record:
+        from specrt.calibration.quality import record
+        for folder in record(report):
+            print(f"recorded in {folder}/manifest.json (quality)")
     return 0
 
 
@@ -309,6 +313,8 @@ def main(argv=None) -> int:
     q.add_argument("--new-tokens", type=_positive_int, default=32, help="greedy tokens per prompt")
     q.add_argument("--threads", type=_positive_int, default=2)
     q.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    q.add_argument("--record", action="store_true", help="write each folder's row into its manifest.json "
+                   "(`quality`, with the reference and prompts), where `specrt inspect` shows it")
     q.set_defaults(fn=cmd_quality)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

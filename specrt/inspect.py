@@ -42,6 +42,21 @@ def _fp16(par: dict) -> list[str]:
     return lines
 
 
+def _quality(q: dict) -> list[str]:
+    r = q.get("row", {})
+    return [f"quality    vs {q.get('reference')}: top-1 {r.get('top1_agreement', 0):.3f} over {r.get('positions')} "
+            f"positions, mean KL {r.get('mean_kl', 0):.4g}, max |dlogit| {r.get('max_abs_logit_delta', 0):.3g}, "
+            f"greedy = {r.get('greedy_exact_match')}/{r.get('greedy_prompts')} ({q.get('measured_by')})"]
+
+
+def _plan(sp: dict) -> list[str]:
+    c, ch = sp.get("costs_ms", {}), sp.get("chosen", {})
+    pred = ", ".join(f"{k} x{v:.2f}" for k, v in (sp.get("predicted") or {}).items())
+    return [f"plan       step ms: target decode {c.get('target_decode')}, verify {c.get('target_verify')}, draft "
+            f"{c.get('draft_decode', '-')}; acceptance {sp.get('acceptance')}; predicted {pred or '-'}; chosen "
+            f"{ch.get('method')} k={ch.get('k')} (adaptive k at run time starts from these)"]
+
+
 def describe(man: mf.Manifest) -> str:
     s = man.shapes
     choice = man.build.get("backend") or {}
@@ -50,6 +65,8 @@ def describe(man: mf.Manifest) -> str:
         f"device     {_device(man.device)}",
         *([f"backend    {choice.get('backend')} ({choice.get('reason')})"] if choice else []),
         *(_engines(man.engines) if man.engines else []),
+        *(_quality(man.quality) if man.quality else []),
+        *(_plan(man.build.get("speculation")) if man.build.get("speculation") else []),
         f"shapes     batch={s.batch} max_context={s.max_context} prefill_chunk={s.prefill_chunk} k={s.k} "
         f"kv_capacity={s.kv_capacity}",
         "tools      " + ", ".join(f"{k} {v}" for k, v in man.tools.items()),

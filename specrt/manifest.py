@@ -103,6 +103,8 @@ class Manifest:
     # TensorRT builds: {"tensorrt_version", "gpu_name", "compute_capability",
     # "hardware_compatibility_level", "builder": {...}, "timing_cache": {...}, "build_log": [...]}
     engines: dict | None = None
+    # `specrt quality --record`: this folder's row of the quality table, with its reference and prompts
+    quality: dict | None = None
     specrt_version: str = __version__
     schema_version: int = SCHEMA_VERSION
     format: str = FORMAT
@@ -118,8 +120,9 @@ class Manifest:
     # --- io ---------------------------------------------------------------------------
     def to_json(self) -> str:
         raw = asdict(self)
-        if raw["engines"] is None:          # ONNX-only builds: no engine fields at all
-            del raw["engines"]
+        for key in ("engines", "quality"):  # absent unless there: ONNX-only builds, quality never recorded
+            if raw[key] is None:
+                del raw[key]
         for m in raw["models"].values():
             for g in m["graphs"].values():
                 if g["engine"] is None:

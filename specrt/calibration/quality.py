@@ -20,6 +20,7 @@ Imports the runtime only (no torch): it runs wherever the engines run.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -206,3 +207,21 @@ def format_table(report: dict) -> str:
     lines.append(f"(verify = one T=k+1 step, k+1 = {', '.join(sorted({str(r['verify_tokens']) for r in report['variants']}))}; "
                  "decode x = decode step cost relative to the reference's)")
     return "\n".join(lines)
+
+
+def record(report: dict) -> list[str]:
+    """Write each variant's row into its own manifest (`quality`): the numbers, the reference
+    they were measured against, and on which prompts. The manifest is replaced atomically;
+    the files it lists (and their hashes) are untouched."""
+    from specrt import manifest as mf
+    from specrt import __version__
+    done = []
+    for row in report["variants"]:
+        man = mf.load(row["engines"])
+        quality = {"row": {k: row[k] for k in FIELDS if k in row},
+                       "reference": str(report.get("reference")), "prompt_ids": report.get("prompt_ids"),
+                       "prompt_file": report.get("prompt_file"), "new_tokens": report.get("new_tokens"),
+                       "measured_by": f"specrt {__version__} quality"}
+        dataclasses.replace(man, quality=quality).save(Path(row["engines"]))
+        done.append(str(row["engines"]))
+    return done

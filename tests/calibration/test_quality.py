@@ -147,3 +147,25 @@ def test_quality_refuses_prompts_that_leave_no_room(tiny_builds):
     fp32, _ = tiny_builds
     with pytest.raises(ConfigError, match="leaves room"):
         quality_table([fp32], fp32, ["x" * 200], new_tokens=8, out=None)
+
+
+def test_record_writes_each_row_into_its_own_manifest_and_inspect_shows_it(tiny_builds, tmp_path, capsys):
+    import shutil
+
+    from specrt import manifest as mf
+    from specrt.cli import main
+    from specrt.runtime import SpeculativeGenerator
+    fp32, int4 = (shutil.copytree(d, tmp_path / d.name) for d in tiny_builds)
+    prompts = tmp_path / "short.txt"
+    prompts.write_text("\n".join(SHORT) + "\n")
+    assert main(["quality", str(fp32), str(int4), "--reference", str(fp32), "--prompts", str(prompts),
+                 "--eval", "4", "--new-tokens", "8", "--record"]) == 0
+    assert f"recorded in {int4}/manifest.json" in capsys.readouterr().out
+    q = mf.load(int4).quality
+    assert q["reference"] == str(fp32) and len(q["prompt_ids"]) == 2 and q["new_tokens"] == 8
+    assert 0 <= q["row"]["top1_agreement"] < 1.0 and q["row"]["engines"] == str(int4)
+    assert mf.load(fp32).quality["row"]["top1_agreement"] == 1.0
+    assert main(["inspect", str(int4)]) == 0
+    assert "quality    vs " in capsys.readouterr().out
+    SpeculativeGenerator(int4, methods=("plain",))     # the files and their hashes are untouched
+    assert mf.load(tiny_builds[1]).quality is None       # only the folders named were written
