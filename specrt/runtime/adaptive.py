@@ -16,7 +16,9 @@ for the full window; the formula uses that measured cost.
 
 After falling back to plain decoding the policy gathers no new evidence, so it probes:
 after `cooldown` plain steps it runs one speculative round at its best k, whose verdict
-updates `a`.
+updates `a`. Likewise a lookup guess passed over `lookup_cooldown` times is tried once:
+matches come in runs (a passage quoted from the prompt), so one failed guess says little
+about the next.
 
 Prompt lookup (runtime/proposers.py) as a second proposer: when the last n tokens occurred
 earlier, their continuation is a free guess; a lookup round costs one verify pass and no
@@ -109,13 +111,15 @@ class AdaptiveK:
     a function of the verdicts seen (see the module docstring)."""
 
     def __init__(self, costs: StepCosts, k_max: int, *, prior: float = 0.8, prior_weight: float = 4.0,
-                 forget: float = 0.9, cooldown: int = 16, lookup_prior: float = 0.5):
+                 forget: float = 0.9, cooldown: int = 16, lookup_prior: float = 0.5, lookup_cooldown: int = 4):
         if k_max < 1:
             raise ValueError(f"k_max={k_max} must be >= 1")
         self.costs, self.k_max, self.cooldown = costs, k_max, cooldown
         self.draft = _Acceptance(prior, prior_weight, forget)
         self.lookup = _Acceptance(lookup_prior, prior_weight, forget)
         self.plain_run = 0          # plain steps since the last draft round
+        self.lookup_cooldown = lookup_cooldown
+        self.lookup_refused = 0     # lookup guesses passed over since the last lookup round
         self.rounds = {"plain": 0, "draft": 0, "lookup": 0, "probe": 0}
 
     @property
@@ -134,8 +138,12 @@ class AdaptiveK:
         g = min(lookup_len, cap)
         if g:   # a lookup round: E(a_lookup, g) tokens for one verify pass, nothing to draft
             rate = expected_tokens(self.lookup.mean, g) / c.verify
-            if rate > best[2]:
+            if rate > best[2] or self.lookup_refused >= self.lookup_cooldown:
+                if rate <= best[2]:
+                    self.rounds["probe"] += 1    # matches come in runs (quoted text): look again
+                self.lookup_refused = 0
                 return "lookup", g
+            self.lookup_refused += 1
         if best[0] == "plain" and self.plain_run >= self.cooldown:
             self.rounds["probe"] += 1
             return "draft", c.best_k(self.draft.mean, cap, allow_plain=False)

@@ -89,6 +89,17 @@ def test_a_free_lookup_guess_wins_over_a_costly_draft_and_loses_once_it_keeps_fa
     for _ in range(8):
         p.observe("lookup", 3, 0)
     assert p.choose(4, lookup_len=3) == ("plain", 0)
+    assert p.choose(4, lookup_len=0) == ("plain", 0)
+
+
+def test_a_lookup_guess_passed_over_a_few_times_is_tried_again():
+    p = AdaptiveK(StepCosts(decode=7.9, verify=12.1, draft=8.6), 4, prior=0.68, lookup_prior=0.8,
+                  lookup_cooldown=3)
+    for _ in range(8):
+        p.observe("lookup", 3, 0)
+    rounds = [p.choose(4, lookup_len=3)[0] for _ in range(4)]
+    assert rounds == ["plain", "plain", "plain", "lookup"], rounds
+    assert p.choose(4, lookup_len=0) == ("plain", 0)
 
 
 def test_lookup_never_proposes_more_than_the_budget_allows():
