@@ -14,6 +14,7 @@ import torch
 
 from specrt import manifest as mf
 from specrt.errors import ExportError
+from specrt.export import fuse as fusion
 from specrt.export import weights as wpack
 from specrt.export.graph import IN_PLACE, StaticDecoder
 from specrt.export.sources import LoadedModel
@@ -71,7 +72,17 @@ def logger_level(name: str, level: int):
         logger.setLevel(previous)
 
 
-def export_graph(module: StaticDecoder, path: Path) -> None:
+def fuses(module: StaticDecoder) -> bool:
+    """Graphs that get ONNX Runtime's fused norms and packed-QKV attention (export/fuse.py):
+    fp32 "gqa" only. "portable" and "standard" stay standard ops (any runtime, TensorRT); the
+    fp16 CUDA graphs keep their fp32-statistics norm, which the pass does not match."""
+    return module.attention == "gqa" and module.dtype == torch.float32
+
+
+def export_graph(module: StaticDecoder, path: Path) -> dict:
+    """Export one graph to `path` (+ `path`.data). Returns its fusions (export/fuse.py), empty
+    where the variant is not fused. Every caller (export_model, the int8-compute decode graph
+    of calibration/rows.py) gets the same graph for the same module."""
     d, T, M = module.dims, module.T, module.M
     args = (torch.zeros(1, T, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
             *[torch.zeros(1, d.kv_heads, M, d.head_dim, dtype=module.dtype) for _ in range(2 * d.layers)])
@@ -86,6 +97,21 @@ def export_graph(module: StaticDecoder, path: Path) -> None:
                               input_names=inputs, output_names=outputs, external_data=True, verbose=False)
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed for T={T}: {type(e).__name__}: {e}\n{quiet.getvalue()[-2000:]}") from e
+    if not fuses(module):
+        return {}
+    proto = fusion.fuse_model(onnx.load(str(path)))
+    found = fusion.describe(proto)
+    # RMSNorm families: a fused norm after every residual Add (2 per layer, the first layer's
+    # input norm has none; the final norm has one); every family: packed QKV in every layer
+    norms = 2 * d.layers if module.spec.norm == "rms" else 0
+    if found["skip_simplified_layer_norm"] < norms or found["packed_qkv_attention"] != d.layers:
+        raise ExportError(f"fusing the T={T} gqa graph matched {found} (expected {norms} fused norms and "
+                          f"{d.layers} packed-QKV attention nodes): the exporter's output has changed; "
+                          "update specrt/export/fuse.py's patterns")
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)     # onnx appends to an existing data file
+    onnx.save(proto, str(path), save_as_external_data=True, location=data.name, all_tensors_to_one_file=True)
+    return found
 
 
 def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("prefill", "decode", "verify"),
@@ -99,12 +125,12 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     Runtime CUDA needs under CUDA-graph capture (see graph.StaticDecoder._forward_gqa)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = graph_tokens(shapes)
-    protos, timings = {}, {}
+    protos, timings, fused = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="specrt-export-") as tmp:
         for g in graphs:
             t0 = time.perf_counter()
             module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention, precision, static_total)
-            export_graph(module, Path(tmp) / f"{g}.onnx")
+            fused[g] = export_graph(module, Path(tmp) / f"{g}.onnx")
             protos[g] = onnx.load(str(Path(tmp) / f"{g}.onnx"))
             timings[g] = round(time.perf_counter() - t0, 1)
             if progress:
@@ -114,4 +140,5 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     return {"graphs": entries, "weights": winfo, "dims": dims, "export_seconds": timings, "attention": attention,
             "kv_update": "in_place" if attention in IN_PLACE else "returned", "precision": precision,
             "kv_dtype": KV_DTYPE[precision],
-            **({"total_sequence_length": "static"} if static_total and attention == "gqa" else {})}
+            **({"total_sequence_length": "static"} if static_total and attention == "gqa" else {}),
+            **({"fusions": fused} if any(fused.values()) else {})}
