@@ -190,24 +190,31 @@ def cmd_triton_repo(a) -> int:
 
 
 def cmd_qdq(a) -> int:
-    from specrt.calibration.qdq import QDQSpec, make_qdq
-    spec = QDQSpec(graphs=tuple(g.strip() for g in a.graphs.split(",") if g.strip()), prompts=a.prompts,
-                   eval_prompts=a.eval_prompts, decode_steps=a.decode_steps, threads=a.threads,
+    from specrt.calibration.qdq import QDQSpec
+    from specrt.calibration.qdq_engine import make_qdq
+    spec = QDQSpec(prompts=a.prompts, eval_prompts=a.eval_prompts, decode_steps=a.decode_steps, threads=a.threads,
                    **({} if a.keep_float is None else
                       {"keep_float": tuple(k.strip() for k in a.keep_float.split(",") if k.strip())}))
-    info = make_qdq(a.engines, a.out, spec, progress=(lambda s: None) if a.quiet else
-                    (lambda s: print(f"-- {s}", file=sys.stderr)))
+    man = make_qdq(a.engines, a.out, spec, force=a.force, progress=(lambda s: None) if a.quiet else
+                   (lambda s: print(f"-- {s}", file=sys.stderr)))
+    t = man.target
     if a.json:
-        print(json.dumps(info, indent=2))
-    else:
-        par, rules = info["parity"]["all"], info["rules"]
-        print(f"wrote {a.out}: TensorRT Q/DQ rules {'passed' if rules['passed'] else 'FAILED'} "
-              f"({rules['dequantize_nodes']} DequantizeLinear nodes)")
-        for g, r in info["parity"]["graphs"].items():
-            t = info["timing"]["graphs"][g]
-            print(f"  {g:8s} top-1 {r['top1_agreement']:.3f}  mean KL {r['mean_kl']:.4f}  max|dlogit| "
-                  f"{r['max_abs_logit_delta']:.3g}  step {t['qdq_ms']:.2f} ms vs fp32 {t['fp32_ms']:.2f} ms")
-        print(f"  all      top-1 {par['top1_agreement']:.3f} over {par['positions']} held-out positions")
+        print(man.to_json())
+        return 0
+    rules, par, idn = t.source["quantization"]["rules"], t.parity["agreement_with_fp32"], t.parity["identity"]
+    timing = man.build["timing"]["graphs"]
+    print(f"wrote {a.out} ({t.precision} target, engine folder): TensorRT Q/DQ rules "
+          f"{'passed' if rules['passed'] else 'FAILED'} ({rules['dequantize_nodes']} DequantizeLinear nodes)")
+    for g, r in par["graphs"].items():
+        s = timing[g]
+        print(f"  {g:8s} top-1 {r['top1_agreement']:.3f}  mean KL {r['mean_kl']:.4f}  max|dlogit| "
+              f"{r['max_abs_logit_delta']:.3g}  step {s['qdq_ms']:.2f} ms vs fp32 {s['fp32_ms']:.2f} ms")
+    print(f"  all      top-1 {par['top1_agreement']:.3f} over {par['positions']} held-out positions")
+    print(f"  identity decode vs verify: {idn['argmax_flips']} argmax flips in {idn['rows']} rows, "
+          f"{idn['bitwise_equal_rows']} bit for bit")
+    if man.draft is not None:
+        ag = man.draft.parity["agreement_with_target"]
+        print(f"  draft    {man.draft.precision}, top-1 agreement with the Q/DQ target {ag['top1_agreement']:.3f}")
     return 0
 
 
@@ -340,19 +347,20 @@ def main(argv=None) -> int:
                     help="copy the engines into the repository (default: refer to their absolute path)")
     tr.set_defaults(fn=cmd_triton_repo)
 
-    qd = sub.add_parser("qdq", help="calibrated static INT8 Q/DQ graphs of the target in TensorRT's form, "
-                                    "rules-checked, with parity vs fp32 on ONNX Runtime CPU")
+    qd = sub.add_parser("qdq", help="an engine folder whose target is a calibrated static INT8 Q/DQ copy (TensorRT's "
+                                    "form, rules-checked) of an fp32 folder's target, with its tokenizer and draft")
     qd.add_argument("engines", help="fp32 folder written by `specrt build`")
-    qd.add_argument("--out", required=True, help="folder to write (new, or a previous `specrt qdq` output)")
+    qd.add_argument("--out", required=True, help="engine folder to write (new, or a previous specrt folder, replaced)")
+    qd.add_argument("--force", action="store_true",
+                    help="replace --out even if it is not a specrt folder (everything in it is deleted)")
     qd.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts (default 16)")
     qd.add_argument("--eval-prompts", type=_positive_int, default=8, help="held-out prompts for parity (default 8)")
     qd.add_argument("--decode-steps", type=_positive_int, default=16, help="greedy steps per prompt (default 16)")
-    qd.add_argument("--graphs", default="decode,verify,prefill", help="graphs to quantize, comma-separated")
     qd.add_argument("--keep-float", metavar="SUFFIXES",
                     help="weight-name suffixes whose MatMuls stay float, comma-separated ('' = quantize all; "
                          "default: see `specrt.calibration.qdq.QDQSpec`)")
     qd.add_argument("--threads", type=_positive_int, default=None)
-    qd.add_argument("--json", action="store_true", help="print qdq.json")
+    qd.add_argument("--json", action="store_true", help="print the manifest")
     qd.add_argument("--quiet", action="store_true", help="no progress lines")
     qd.set_defaults(fn=cmd_qdq)
 

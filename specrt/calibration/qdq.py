@@ -13,7 +13,8 @@ real prompts and checks the result against those rules.
         │          over the three regimes (tensor names are not stable across graphs)
         v                        v
     quantize_static(graph, calibration cache) ──> Q/DQ graphs + one weights.bin
-        ──> TensorRT rules check ──> parity vs fp32 on held-out prompts + step times
+        ──> TensorRT rules check ──> parity vs fp32 (qdq_parity.py) ──> an engine folder
+            with the fp32 folder's tokenizer and draft (qdq_engine.py: `specrt qdq`)
 
 Only MatMuls with a learned constant weight are quantized (W8A8), by default all but the
 MLP down projection (`QDQSpec.keep_float`: its input is heavy-tailed). Attention stays float:
@@ -21,19 +22,15 @@ the cache is graph input/output in the manifest's float dtype, the score/softmax
 products have per-head ranges one per-tensor scale serves badly, and TensorRT's fused
 attention takes its own path (GPU.md B5). The rotary "rotate half" MatMul (a signed
 permutation constant) stays float too: quantizing its input would only add error.
-Every graph gets the same activation scales, so a row rounds the same way in the
-decode (T=1) and verify (T=k+1) graphs. All three attention forms of the export work
+Every graph gets the same activation scales; the decode graph is the quantized verify
+graph behind a one-token interface (qdq_engine.decode_graph), so plain decoding rounds
+every row exactly as the verify pass does. All three attention forms of the export work
 (gqa: com.microsoft.GroupQueryAttention is left alone by the quantizer; portable;
 standard); only the standard form is importable by TensorRT (GPU.md B5).
 """
 from __future__ import annotations
 
-import json
-import math
-import shutil
-import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +39,13 @@ from onnx import numpy_helper
 
 from specrt import manifest as mf
 from specrt.calibration.qdq_rules import QDQRuleError, check_rules, rule_problems  # noqa: F401
-from specrt.errors import BuildOutputError, ConfigError, ParityError
+from specrt.errors import ConfigError
 
-FORMAT = "specrt-qdq"
-FILENAME = "qdq.json"
 GRAPHS = ("prefill", "decode", "verify")
 
 
 @dataclass(frozen=True)
 class QDQSpec:
-    graphs: tuple[str, ...] = GRAPHS        # which graphs to write (calibration always runs all three regimes)
     prompts: int = 16                       # calibration prompts
     eval_prompts: int = 8                   # held-out prompts for parity
     decode_steps: int = 16                  # greedy decode steps per calibration / parity prompt
@@ -64,16 +58,15 @@ class QDQSpec:
     threads: int | None = None
 
     def __post_init__(self):
-        bad = [g for g in self.graphs if g not in GRAPHS]
-        if bad or not self.graphs:
-            raise ConfigError(f"--graphs {','.join(self.graphs)}: choose from {','.join(GRAPHS)}")
         for name in ("prompts", "eval_prompts", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
 
     def settings(self) -> dict:
-        """What qdq.json records about how the graphs were quantized."""
-        return {"tool": "onnxruntime.quantization.quantize_static", "quant_format": "QDQ",
+        """How the graphs were quantized (the manifest's `models.target.source.quantization`)."""
+        return {"method": "static Q/DQ", "bits": 8, "block_size": "per output channel", "symmetric": True,
+                "compute": "int8 (static per-tensor activation scales)",
+                "tool": "onnxruntime.quantization.quantize_static", "quant_format": "QDQ",
                 "activation_type": "QInt8", "weight_type": "QInt8", "per_channel": True,
                 "weight_axis": "MatMul B [K, N]: 1 (output channel)", "activations": "per tensor",
                 "extra_options": EXTRA_OPTIONS, "calibrate_method": "MinMax",
@@ -246,87 +239,6 @@ def quantize_graph(src: Path, dst: Path, ranges: dict, vocab: int, spec: QDQSpec
     return onnx.load(str(dst))
 
 
-# --- parity and step time on ONNX Runtime CPU ---------------------------------------------
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-class _Tally:
-    def __init__(self):
-        self.n = self.agree = 0
-        self.kl = self.delta = 0.0
-
-    def add(self, got: np.ndarray, ref: np.ndarray) -> None:   # [n, V] each
-        lp, lq = _log_softmax(ref.astype(np.float64)), _log_softmax(got.astype(np.float64))
-        self.kl += float((np.exp(lp) * (lp - lq)).sum())
-        self.agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-        self.delta = max(self.delta, float(np.abs(got - ref).max()))
-        self.n += len(ref)
-
-    def result(self) -> dict:
-        return {"positions": self.n, "top1_agreement": self.agree / max(self.n, 1),
-                "mean_kl": self.kl / max(self.n, 1), "max_abs_logit_delta": self.delta}
-
-
-def parity(ref_gs, q_gs, graphs: tuple[str, ...], token_lists: list[list[int]], shapes: mf.Shapes,
-           steps: int) -> dict:
-    """Teacher-forced on the fp32 greedy continuation of each held-out prompt: every row of
-    each Q/DQ graph against the fp32 row at the same position (prompt rows: fp32 prefill;
-    later rows: fp32 decode). The Q/DQ graphs build their own cache (prompt by prefill, or
-    by decode steps when prefill is not among them)."""
-    C, width = shapes.prefill_chunk, shapes.k + 1
-    tally = {g: _Tally() for g in graphs}
-    total = _Tally()
-    for ids in token_lists:
-        P = len(ids)
-        for c in ref_gs.cache:
-            c[...] = 0
-        rows = [ref_gs.step("prefill", ids[lo:lo + C], lo) for lo in range(0, P, C)]
-        seq = list(ids) + [int(rows[-1][-1].argmax())]
-        for j in range(steps):
-            rows.append(ref_gs.step("decode", seq[P + j:P + j + 1], P + j))
-            seq.append(int(rows[-1][0].argmax()))
-        ref = np.concatenate(rows)                            # [P + steps, V]: positions 0 .. P+steps-1
-        for g in [g for g in ("prefill", "decode", "verify") if g in graphs]:
-            for c in q_gs.cache:
-                c[...] = 0
-            got = ([q_gs.step("prefill", ids[lo:lo + C], lo) for lo in range(0, P, C)] if "prefill" in graphs
-                   else [q_gs.step("decode", ids[i:i + 1], i) for i in range(P)])
-            if g == "decode":
-                got = [q_gs.step("decode", seq[P + j:P + j + 1], P + j) for j in range(steps)]
-            elif g == "verify":
-                got = [q_gs.step("verify", seq[lo:min(lo + width, P + steps)], lo)
-                       for lo in range(P, P + steps, width)]
-            got = np.concatenate(got)
-            want = ref[:P] if g == "prefill" else ref[P:]
-            tally[g].add(got, want)
-            total.add(got, want)
-    return {"graphs": {g: t.result() for g, t in tally.items()}, "all": total.result(),
-            "prompts": len(token_lists), "new_tokens_per_prompt": steps,
-            "how": "teacher-forced on the fp32 greedy continuation of held-out prompts; KL(fp32 || Q/DQ) per row"}
-
-
-def step_times(ref_gs, q_gs, graphs: tuple[str, ...], shapes: mf.Shapes, threads: int, reps: int = 20) -> dict:
-    """Median ms per step of each graph, fp32 and Q/DQ interleaved in one run, full windows."""
-    out = {}
-    for g in graphs:
-        T = ref_gs.tokens[g]
-        start = 0 if g == "prefill" else min(shapes.prefill_chunk, shapes.max_context - T)
-        ids = [5] * T
-        times = {"fp32": [], "qdq": []}
-        for r in range(reps + 2):
-            for name, gs in (("fp32", ref_gs), ("qdq", q_gs)):
-                t0 = time.perf_counter()
-                gs.step(g, ids, start)
-                if r >= 2:                                       # two warm-up rounds
-                    times[name].append(time.perf_counter() - t0)
-        f, q = (float(np.median(times[k])) * 1e3 for k in ("fp32", "qdq"))
-        out[g] = {"fp32_ms": f, "qdq_ms": q, "qdq_over_fp32": q / f, "tokens": T}
-    return {"graphs": out, "reps": reps, "threads": threads, "backend": "onnxruntime CPUExecutionProvider"}
-
-
 # --- prompts ------------------------------------------------------------------------------
 
 def prompt_sets(n_cal: int, n_eval: int) -> tuple[list[str], list[str], str]:
@@ -354,128 +266,3 @@ def tokenize(engines: Path, man: mf.Manifest, texts: list[str], limit: int) -> l
             if tok.chat_template else tok.encode(t)
         out.append([int(i) for i in ids[:limit]] or [0])
     return out
-
-
-# --- the output folder --------------------------------------------------------------------
-
-def check_out(out: Path) -> Path:
-    """Refuse a file, the working folder or its parents, and a non-empty folder that is not a
-    previous `specrt qdq` output (nothing of the user's is ever deleted)."""
-    import os
-    path = Path(os.path.abspath(Path(out).expanduser()))
-    cwd = Path.cwd()
-    if path == cwd or path in cwd.parents:
-        raise BuildOutputError(f"--out {out} is the current folder or one of its parents: name a new subfolder")
-    if path.exists() and not path.is_dir():
-        raise BuildOutputError(f"--out {out} is an existing file: choose a folder name")
-    if path.is_dir() and any(path.iterdir()):
-        known = _previous_files(path) or set()
-        foreign = sorted(str(p.relative_to(path)) for p in path.rglob("*")
-                         if (p.is_file() or p.is_symlink()) and str(p.relative_to(path)) not in known)
-        if not known or foreign:
-            shown = ", ".join((foreign or ["(no readable qdq.json)"])[:5])
-            raise BuildOutputError(f"--out {out} is not empty and not a previous `specrt qdq` output ({shown}): "
-                                   "choose a new folder or move those files away")
-    return path
-
-
-def _previous_files(folder: Path) -> set[str] | None:
-    try:
-        info = json.loads((folder / FILENAME).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(info.get("files"), list):
-        return None
-    return {FILENAME, *map(str, info["files"])}
-
-
-# --- the command --------------------------------------------------------------------------
-
-def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), progress=print) -> dict:
-    """Calibrate, quantize, check and measure; writes out/ and returns the qdq.json content."""
-    import onnxruntime as ort
-
-    from specrt import outdir
-    from specrt.calibration.quantize import quiet_logging
-    from specrt.export import weights as wpack
-    from specrt.export.parity import GraphSet
-    from specrt.runtime.backends.ort_cpu import pool_threads
-
-    t0 = time.time()
-    engines = Path(engines)
-    man = mf.load(engines)
-    target, shapes = man.target, man.shapes
-    path = check_out(Path(out))
-    # GraphSet reads weights.bin beside the graphs: address the target's own folder
-    src = engines / Path(target.weights["file"]).parent
-    graphs = {g: {"file": str(Path(e.file).relative_to(src.relative_to(engines))), "tokens": e.tokens,
-                  "sha256": e.sha256} for g, e in target.graphs.items()}
-    dims, vocab = target.dims, int(target.dims["vocab"])
-    threads = spec.threads or pool_threads() or 2
-    cal_texts, eval_texts, source = prompt_sets(spec.prompts, spec.eval_prompts)
-    limit = shapes.max_context - spec.decode_steps - shapes.k - 1
-    cal_ids, eval_ids = tokenize(engines, man, cal_texts, limit), tokenize(engines, man, eval_texts, limit)
-    tmp = outdir.make_partial(path)
-    try:
-        work = Path(tempfile.mkdtemp(prefix="specrt-qdq-"))
-        try:
-            progress(f"calibrating on {len(cal_ids)} prompts (prefill, decode, verify regimes)")
-            ranges, counts = collect_ranges(src, graphs, dims, shapes, cal_ids, spec, work, threads)
-            protos = {}
-            for g in spec.graphs:
-                progress(f"quantizing {g}")
-                protos[g] = quantize_graph(src / graphs[g]["file"], work / f"{g}.onnx", ranges, vocab, spec,
-                                           work)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        rules = check_rules(protos)
-        if not rules["passed"]:
-            raise QDQRuleError("the Q/DQ graphs break TensorRT's INT8 rules: " + "; ".join(rules["problems"][:5])
-                               + " (nothing was written; report this with the ONNX Runtime version)")
-        entries, winfo = wpack.save_graphs(protos, tmp, {g: graphs[g]["tokens"] for g in protos})
-        del protos
-        winfo = {"file": winfo["file"], "bytes": winfo["bytes"], "sha256": winfo["sha256"]}
-        progress(f"parity on {len(eval_ids)} held-out prompts")
-        with quiet_logging():
-            ref_gs = GraphSet(src, graphs, dims, shapes.kv_capacity, threads=threads)
-            q_gs = GraphSet(tmp, entries, dims, shapes.kv_capacity, threads=threads)
-        par = parity(ref_gs, q_gs, spec.graphs, eval_ids, shapes, spec.decode_steps)
-        _check_finite(par)
-        timing = step_times(ref_gs, q_gs, spec.graphs, shapes, threads)
-        del ref_gs, q_gs
-        info = {
-            "format": FORMAT, "version": 1,
-            "source": {"engines": str(engines.resolve()), "manifest_sha256": mf.sha256_file(engines / mf.FILENAME),
-                       "target_graphs": {g: graphs[g]["sha256"] for g in spec.graphs},
-                       "precision": target.precision, "attention_ops": _attention_ops(src / graphs["decode"]["file"])},
-            "graphs": entries, "weights": winfo, "files": sorted([*(e["file"] for e in entries.values()), winfo["file"]]),
-            "dims": dims, "shapes": asdict(shapes), "io": {**target.io, "kv": target.kv},
-            "quantization": {**spec.settings(), "graphs": list(spec.graphs)},
-            "calibration": {"prompts": len(cal_ids), "source": source, "regimes": counts,
-                            "decode_steps_per_prompt": spec.decode_steps,
-                            "method": "MinMax per weight-MatMul input, merged by weight over the regimes; "
-                                      "the same scales in every graph",
-                            "max_abs_input": {w: round(max(-lo, hi), 4) for w, (lo, hi) in ranges.items()}},
-            "rules": rules, "parity": {**par, "held_out_source": source}, "timing": timing,
-            "tools": {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__,
-                      "specrt": man.tools.get("specrt", "")},
-            "seconds": round(time.time() - t0, 1),
-        }
-        (tmp / FILENAME).write_text(json.dumps(info, indent=2))
-        outdir.commit(tmp, path)
-    except BaseException:
-        outdir.discard(tmp)
-        raise
-    return info
-
-
-def _check_finite(par: dict) -> None:
-    for g, r in par["graphs"].items():
-        if not all(math.isfinite(v) for v in r.values()):
-            raise ParityError(f"the Q/DQ {g} graph gives non-finite logits or KL ({r}): a scale is broken")
-
-
-def _attention_ops(path: Path) -> list[str]:
-    m = onnx.load(str(path), load_external_data=False)
-    return sorted({f"{n.domain or 'ai.onnx'}.{n.op_type}" for n in m.graph.node
-                   if n.op_type in ("GroupQueryAttention", "Attention", "Softmax", "TensorScatter")})

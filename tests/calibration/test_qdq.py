@@ -1,9 +1,8 @@
-"""Static Q/DQ INT8 in TensorRT's form (`specrt qdq`) on the tiny models: the output
-passes the rules check, a hand-made asymmetric graph fails it, parity is stated, and
-the output folder never swallows a user's files."""
+"""Static Q/DQ INT8 in TensorRT's form (`specrt qdq`) on the tiny models: the graphs pass
+the rules check, a hand-made asymmetric graph fails it, parity is stated, and the output
+is an engine folder (test_qdq_engine.py)."""
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -11,24 +10,27 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.calibration import qdq, qdq_rules
-from specrt.errors import BuildOutputError, ConfigError, SpecrtError
+from specrt import manifest as mf
+from specrt.calibration import qdq, qdq_engine, qdq_rules
+from specrt.errors import ConfigError, SpecrtError
 
 SMALL = qdq.QDQSpec(prompts=3, eval_prompts=2, decode_steps=6)
 
 
 @pytest.fixture(scope="module")
-def qdq_out(tiny_engines, tmp_path_factory):
+def qdq_out(tiny_self_engines, tmp_path_factory):
+    """The tiny target with its int8 shared-cache draft, as a Q/DQ engine folder."""
     out = tmp_path_factory.mktemp("qdq") / "out"
-    info = qdq.make_qdq(tiny_engines, out, SMALL, progress=lambda s: None)
-    return out, info
+    man = qdq_engine.make_qdq(tiny_self_engines, out, SMALL, progress=lambda s: None)
+    return out, man
 
 
 def test_output_passes_tensorrt_rules(qdq_out):
-    out, info = qdq_out
-    assert info["rules"]["passed"] and info["rules"]["problems"] == []
+    out, man = qdq_out
+    rules = man.target.source["quantization"]["rules"]
+    assert rules["passed"] and rules["problems"] == []
     for g in ("prefill", "decode", "verify"):
-        model = onnx.load(str(out / info["graphs"][g]["file"]))
+        model = onnx.load(str(out / man.target.graphs[g].file))
         assert qdq.rule_problems(model) == []
         consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
         dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
@@ -45,11 +47,12 @@ def test_output_passes_tensorrt_rules(qdq_out):
 
 
 def test_parity_is_stated_and_close_on_the_tiny_model(qdq_out):
-    out, info = qdq_out
-    saved = json.loads((out / "qdq.json").read_text())
-    assert saved["format"] == "specrt-qdq" and saved["source"]["manifest_sha256"]
-    par = saved["parity"]
+    out, man = qdq_out
+    saved = mf.load(out).target
+    assert saved.source["manifest_sha256"] and saved.source["quantization"]["calibration"]["prompts"] == 3
+    par = saved.parity["agreement_with_fp32"]
     assert set(par["graphs"]) == {"prefill", "decode", "verify"} and par["prompts"] == 2
+    assert par["positions"] > 0 and 0.7 <= par["top1_agreement"] <= 1
     for r in par["graphs"].values():
         assert r["positions"] > 0 and all(math.isfinite(v) for v in r.values())
         assert r["top1_agreement"] >= 0.7 and r["mean_kl"] < 0.5
@@ -57,9 +60,9 @@ def test_parity_is_stated_and_close_on_the_tiny_model(qdq_out):
     # (up to the float down projection's kernel differences between T=1 and T=k+1)
     assert abs(par["graphs"]["decode"]["top1_agreement"] - par["graphs"]["verify"]["top1_agreement"]) <= 0.1
     assert abs(par["graphs"]["decode"]["mean_kl"] - par["graphs"]["verify"]["mean_kl"]) < 0.02
-    assert set(saved["calibration"]["regimes"]) == {"prefill", "decode", "verify"}
-    assert all(v > 0 for v in saved["calibration"]["regimes"].values())
-    for t in saved["timing"]["graphs"].values():
+    cal = saved.source["quantization"]["calibration"]
+    assert set(cal["regimes"]) == {"prefill", "decode", "verify"} and all(v > 0 for v in cal["regimes"].values())
+    for t in mf.load(out).build["timing"]["graphs"].values():
         assert t["fp32_ms"] > 0 and t["qdq_ms"] > 0
 
 
@@ -95,63 +98,30 @@ def test_rules_check_accepts_a_symmetric_graph_and_rejects_broken_ones():
 def test_a_broken_rule_is_a_typed_error_and_writes_nothing(tiny_engines, tmp_path, monkeypatch):
     monkeypatch.setattr(qdq_rules, "rule_problems", lambda m: ["QuantizeLinear 'x': zero point must be constant 0"])
     with pytest.raises(qdq.QDQRuleError, match="TensorRT's INT8 rules"):
-        qdq.make_qdq(tiny_engines, tmp_path / "out", qdq.QDQSpec(graphs=("decode",), prompts=1, eval_prompts=1,
-                                                                   decode_steps=2), progress=lambda s: None)
+        qdq_engine.make_qdq(tiny_engines, tmp_path / "out", qdq.QDQSpec(prompts=1, eval_prompts=1, decode_steps=2),
+                            progress=lambda s: None)
     assert isinstance(qdq.QDQRuleError("x"), SpecrtError)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
 
 
-def test_out_folder_refuses_user_files_and_reuses_its_own(qdq_out, tiny_engines, tmp_path):
-    out, _ = qdq_out
-    qdq.check_out(out)                                   # a previous qdq output: accepted
-    user = tmp_path / "mine"
-    user.mkdir()
-    (user / "notes.txt").write_text("keep me")
-    with pytest.raises(BuildOutputError, match="not a previous `specrt qdq` output"):
-        qdq.make_qdq(tiny_engines, user, SMALL, progress=lambda s: None)
-    assert (user / "notes.txt").read_text() == "keep me"
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(BuildOutputError):
-        qdq.check_out(tmp_path / "file")
-    extra = tmp_path / "extra"
-    extra.mkdir()
-    for f in out.iterdir():
-        (extra / f.name).write_bytes(f.read_bytes())
-    (extra / "mine.onnx").write_text("user's")
-    with pytest.raises(BuildOutputError, match="mine.onnx"):
-        qdq.check_out(extra)
+def test_spec_refuses_nonsense():
     with pytest.raises(ConfigError):
-        qdq.QDQSpec(graphs=("draft",))
-
-
-def test_cli_rewrites_a_previous_output_for_chosen_graphs(tiny_engines, tmp_path, capsys):
-    from specrt.cli import main
-    out = tmp_path / "q"
-    args = ["qdq", str(tiny_engines), "--out", str(out), "--graphs", "decode,verify", "--prompts", "2",
-            "--eval-prompts", "1", "--decode-steps", "4", "--keep-float", ".down,lm_head", "--quiet"]
-    assert main(args) == 0
-    assert main(args) == 0                               # its own previous output is replaced
-    text = capsys.readouterr().out
-    assert "rules passed" in text and "decode" in text and "prefill " not in text
-    info = json.loads((out / "qdq.json").read_text())
-    assert sorted(info["graphs"]) == ["decode", "verify"]
-    assert info["quantization"]["keep_float"] == [".down", "lm_head"]
-    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "qdq.json", "verify.onnx", "weights.bin"]
-    assert main(["qdq", str(tiny_engines), "--out", str(tmp_path / "r"), "--graphs", "decode,draft"]) == 2
+        qdq.QDQSpec(prompts=0)
 
 
 def test_portable_graph_keeps_attention_float(tiny_matrix, tmp_path):
     """The standard-op attention's MatMuls (scores, values against the cache) and the rotary
     permutation MatMul stay float; only the learned weights are quantized."""
-    info = qdq.make_qdq(tiny_matrix("none", "portable"), tmp_path / "p",
-                        qdq.QDQSpec(graphs=("decode",), prompts=2, eval_prompts=1, decode_steps=4, keep_float=()),
-                        progress=lambda s: None)
-    model = onnx.load(str(tmp_path / "p" / "decode.onnx"))
+    man = qdq_engine.make_qdq(tiny_matrix("none", "portable"), tmp_path / "p",
+                              qdq.QDQSpec(prompts=2, eval_prompts=1, decode_steps=4, keep_float=()),
+                              progress=lambda s: None)
+    assert man.draft is None and man.target.kv["update"] == "returned"
+    model = onnx.load(str(tmp_path / "p" / man.target.graphs["decode"].file))
     inits = {i.name for i in model.graph.initializer}
     produced_by = {o: n for n in model.graph.node for o in n.output}
     quantized = [n for n in model.graph.node if n.op_type == "MatMul"
                  and produced_by.get(n.input[1]) is not None and produced_by[n.input[1]].op_type == "DequantizeLinear"]
     floats = [n for n in model.graph.node if n.op_type == "MatMul" and n not in quantized]
-    assert len(quantized) == 13 and info["rules"]["passed"]    # keep_float=() below: every learned weight
+    assert len(quantized) == 13 and man.target.source["quantization"]["rules"]["passed"]   # keep_float=()
     assert any(n.input[1] == "rot" for n in floats)
     assert any(n.input[1] not in inits for n in floats)   # activation x activation: attention
