@@ -52,7 +52,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
 
     shapes, kind = cfg.shapes, cfg.draft_kind
     n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
-    bar = tqdm(total=n_graphs + 3, desc="build", unit="step", disable=not progress)
+    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None), desc="build", unit="step", disable=not progress)
     t_start = time.perf_counter()
 
     def step(msg):
@@ -84,26 +84,42 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
 
     if kind in ("int8", "int8-dynamic"):
         method = "blockwise" if kind == "int8" else "dynamic"
-        d = int8.quantize_model(fp32_dir, fp32, tmp / "draft", graphs=("decode",), method=method)
+        trim, prepare = None, None
+        if cfg.draft_vocab is not None:   # the LM head cut to N columns before quantization
+            from specrt.calibration import vocab
+            bar.set_postfix_str("choosing the draft's vocabulary")
+            ids, trim = _draft_vocab(cfg, tgt, fp32_dir, fp32, tok_info)
+            prepare = {"decode": lambda m: vocab.trim_lm_head(m, ids)}
+            step(f"draft vocabulary: {len(ids)} ids, held-out coverage {trim['held_out_coverage']}")
+        d = int8.quantize_model(fp32_dir, fp32, tmp / "draft", graphs=("decode",), method=method, prepare=prepare)
         step("draft quantized")
         # the gate compares the draft with its own source, the fp32 export (a quantized target
         # differs from it by its own quantization error, which says nothing about the draft)
         agreement = measure.draft_agreement(fp32_dir, fp32, tmp / "draft", d, shapes, _prompt_ids(tgt),
                                             shared_cache=True)
         agreement["min_top1_agreement"] = MIN_INT8_AGREEMENT
-        if agreement["top1_agreement"] < MIN_INT8_AGREEMENT:
+        gate = agreement
+        if trim:   # the gate checks the quantization: positions whose target token the draft can propose
+            gate = agreement["draftable"] = vocab.draftable_agreement(fp32_dir, fp32, tmp / "draft", d, shapes,
+                                                                      _prompt_ids(tgt), ids)
+            agreement["max_abs_logit_delta"] = gate["max_abs_logit_delta"]   # over the kept ids, not inf
+        if gate["top1_agreement"] < MIN_INT8_AGREEMENT:
             from specrt.errors import ParityError
             raise ParityError(
-                f"the {method} INT8 draft agrees with the target on only {agreement['top1_agreement']:.1%} of "
-                f"positions (tolerance: at least {MIN_INT8_AGREEMENT:.0%}); the quantization is broken for this "
-                "model: try --draft int8-dynamic, another draft, or --draft none")
+                f"the {method} INT8 draft agrees with the target on only {gate['top1_agreement']:.1%} of "
+                f"positions{' it can draft' if trim else ''} (tolerance: at least {MIN_INT8_AGREEMENT:.0%}); the "
+                "quantization is broken for this model: try --draft int8-dynamic, another draft, or --draft none")
         d["parity"] = {"agreement_with_target": agreement}
         if cfg.precision != "fp32":   # what acceptance follows: agreement with the quantized target itself
             d["parity"] = {"agreement_with_fp32_target": agreement, "agreement_with_target": measure.draft_agreement(
                 tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=True)}
+        how = d.pop("quantization")
+        if trim:
+            how["draft_vocab"] = trim
         d.update(subdir="draft", family=tgt.spec.family, precision="int8-" + method,
-                 source={**tgt.identity, "derived": f"int8 ({method}) copy of the fp32 target",
-                         "quantization": d.pop("quantization"), "tokenizer_sha256": tok_info["sha256"]},
+                 source={**tgt.identity, "derived": f"int8 ({method}) copy of the fp32 target" + (
+                         f", LM head cut to {trim['kept']} of {trim['of']} tokens" if trim else ""),
+                         "quantization": how, "tokenizer_sha256": tok_info["sha256"]},
                  kv=_kv(cfg, "target"))
         parts["draft"] = d
     elif kind in ("truncate", "model"):
@@ -140,6 +156,19 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
     return out
 
 
+def _draft_vocab(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, tok_info: dict):
+    """(kept ids, manifest record) for --draft-vocab N (calibration/vocab.py)."""
+    from specrt.calibration import vocab
+    from specrt.errors import ConfigError
+    v = int(fp32["dims"]["vocab"])
+    if cfg.draft_vocab >= v:
+        raise ConfigError(f"--draft-vocab {cfg.draft_vocab} keeps all {v} tokens of the model: leave it out for the "
+                          f"full LM head, or give fewer than {v}")
+    special = {int(i) for i in tgt.tokenizer.all_special_ids} | set(tok_info["eos_token_ids"])
+    return vocab.plan(fp32_dir, fp32, cfg.shapes, tgt.tokenizer, cfg.draft_vocab, sorted(i for i in special if i < v),
+                      tok_info["eos_token_ids"])
+
+
 def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
     """Each built graph's step cost, and the predicted speedup of every k (calibration/plan.py):
     what adaptive k starts from at run time."""
@@ -147,6 +176,12 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
     d = parts.get("draft")
     costs = plan.step_costs(tmp / "target", parts["target"], tmp / "draft" if d else None, d, shapes)
     agreement = ((d or {}).get("parity") or {}).get("agreement_with_target", {}).get("top1_agreement")
+    # a trimmed draft head never proposes a token outside its kept ids: the prompts the agreement
+    # was measured on hold few of those, so scale by the held-out coverage (README "draft vocabulary")
+    coverage = (((d or {}).get("source") or {}).get("quantization", {}).get("draft_vocab") or {}).get(
+        "held_out_coverage")
+    if agreement is not None and coverage:
+        agreement *= float(coverage)
     return plan.plan(costs, agreement, shapes.k)
 
 

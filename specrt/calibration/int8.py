@@ -21,6 +21,8 @@ SPECS = {"blockwise": QuantSpec("matmulnbits", bits=8, block_size=BLOCK, accurac
 
 
 def quantize_model(export_dir: Path, export: dict, out_dir: Path, graphs: tuple[str, ...],
-                   method: str = "blockwise") -> dict:
+                   method: str = "blockwise", prepare: dict | None = None) -> dict:
+    """prepare: graph -> transform of its fp32 ModelProto before quantization (e.g.
+    vocab.trim_lm_head)."""
     assert method in METHODS, method
-    return quantize_graphs(export_dir, export, out_dir, graphs, SPECS[method])
+    return quantize_graphs(export_dir, export, out_dir, graphs, SPECS[method], prepare=prepare)

@@ -93,9 +93,11 @@ def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
 
 
 def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple[str, ...], spec: QuantSpec,
-                    wrap: dict | None = None) -> dict:
+                    wrap: dict | None = None, prepare: dict | None = None) -> dict:
     """Quantize `graphs` of an exported model into out_dir (graph files + one weights.bin).
-    wrap: graph -> function applied to its quantized ModelProto before packing (see rows.py).
+    prepare: graph -> function applied to its fp32 ModelProto (weights loaded) before
+    quantizing (see vocab.py). wrap: graph -> function applied to its quantized ModelProto
+    before packing (see rows.py).
     Returns the manifest fragment: graphs, weights index, dims, quantization."""
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = int(export["dims"]["vocab"])
@@ -103,9 +105,20 @@ def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple
     with tempfile.TemporaryDirectory(prefix="specrt-quant-") as tmp:
         for g in graphs:
             dst = Path(tmp) / f"{g}.onnx"
-            quantize_graph(export_dir / export["graphs"][g]["file"], dst, spec, vocab)
+            src = export_dir / export["graphs"][g]["file"]
+            if prepare and g in prepare:
+                src = _prepared(src, prepare[g], Path(tmp) / f"{g}.fp32.onnx")
+            quantize_graph(src, dst, spec, vocab)
             protos[g] = onnx.load(str(dst))
             if wrap and g in wrap:
                 protos[g] = wrap[g](protos[g])
     entries, winfo = wpack.save_graphs(protos, out_dir, {g: export["graphs"][g]["tokens"] for g in protos})
     return {"graphs": entries, "weights": winfo, "dims": export["dims"], "quantization": spec.describe()}
+
+
+def _prepared(src: Path, fn, dst: Path) -> Path:
+    """fn(the fp32 graph with its weights) saved beside the quantizer's output, weights in one file."""
+    model = fn(onnx.load(str(src)))
+    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=dst.stem + ".bin", size_threshold=1024)
+    return dst
