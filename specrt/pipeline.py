@@ -77,7 +77,8 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
         if cfg.precision != "fp32" else fp32
     part["parity"]["identity"] = _check_identity(cfg, tmp / "target", part, _prompt_ids(tgt))
     part.update(subdir="target", family=tgt.spec.family, precision=cfg.precision,
-                source={**tgt.identity, **part.pop("derived", {}), "tokenizer_sha256": tok_info["sha256"]},
+                source={**tgt.identity, **part.pop("derived", {}), "tokenizer_sha256": tok_info["sha256"],
+                        **({"export_fusions": fp32["fusions"]} if fp32.get("fusions") else {})},
                 kv=_kv(cfg, None))
     parts = {"target": part}
     step("target parity checked")

@@ -174,3 +174,12 @@ def test_a_graph_the_patterns_do_not_match_is_left_alone():
     model = fuse.fuse_model(helper.make_model(g))
     assert [n.op_type for n in model.graph.node] == [n.op_type for n in nodes]
     assert fuse.describe(model)["skip_simplified_layer_norm"] == 0
+
+
+def test_a_build_records_its_fusions_in_the_manifest(tiny_engines):
+    from specrt import manifest as mf
+    man = mf.load(tiny_engines)
+    fusions = man.target.source["export_fusions"]
+    layers = man.target.layers
+    assert set(fusions) == {"prefill", "decode", "verify"}
+    assert all(f["packed_qkv_attention"] == layers for f in fusions.values()), fusions
