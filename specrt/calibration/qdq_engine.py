@@ -4,8 +4,8 @@ folder's target (qdq.py), runnable like any `specrt build` output.
     ENGINES/ (fp32, checked: manifest, files, hashes)          DIR/ (through outdir.py)
       target/{prefill,decode,verify}.onnx ──calibrate, quantize──> target/*.onnx + weights.bin
                                            rules check, parity vs fp32, decode/verify identity
-      tokenizer.json ──────────────── hardlink (or copy) ────────> tokenizer.json
-      draft/* ──────── hardlink (or copy); its agreement with ───> draft/*
+      tokenizer.json ──────────────── copy ─────────────────────> tokenizer.json
+      draft/* ──────── copy; its agreement with ────────────────> draft/*
                        the Q/DQ target measured again
                                                                    manifest.json (engines/ort_cpu.write_manifest)
 
@@ -113,7 +113,7 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
         parts = {"target": part}
         tok = copy_tokenizer(man, engines, tmp)
         if man.draft is not None:
-            progress("draft: linked from the source, agreement with the Q/DQ target measured")
+            progress("draft: copied from the source, agreement with the Q/DQ target measured")
             parts["draft"] = copy_draft(man, engines, tmp, part, id_ids)
         build = {"command": "specrt qdq", "config": {**asdict(spec), "source_engines": str(engines)},
                  "timing": timing}
@@ -212,9 +212,9 @@ def check_identity(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list
 
 
 def copy_tokenizer(man: mf.Manifest, engines: Path, out: Path) -> dict:
-    """The source's tokenizer file, linked into `out`, with its hash checked again."""
+    """The source's tokenizer file, copied into `out`, with its hash checked again."""
     rel = man.tokenizer["file"]
-    _link(engines / rel, out / rel)
+    _copy(engines / rel, out / rel)
     digest = mf.sha256_file(out / rel)
     if digest != man.tokenizer["sha256"]:
         from specrt.errors import GraphFileError
@@ -224,7 +224,7 @@ def copy_tokenizer(man: mf.Manifest, engines: Path, out: Path) -> dict:
 
 
 def copy_draft(man: mf.Manifest, engines: Path, out: Path, target: dict, prompts: list[list[int]]) -> dict:
-    """The source's draft files linked into `out` under the same names, as a manifest part;
+    """The source's draft files copied into `out` under the same names, as a manifest part;
     its agreement with the Q/DQ target is measured again (what acceptance now follows)."""
     from specrt.calibration import measure
     d = man.draft
@@ -244,7 +244,7 @@ def copy_draft(man: mf.Manifest, engines: Path, out: Path, target: dict, prompts
                               f"differs ({', '.join(bad)}): build the fp32 folder with a draft of its own "
                               "(--draft truncate:N or a draft model)")
     for f in files:
-        _link(engines / f, out / f)
+        _copy(engines / f, out / f)
     part = {"subdir": str(sub), "graphs": {g: {"file": Path(e.file).name, "tokens": e.tokens, "sha256": e.sha256}
                                            for g, e in d.graphs.items()},
             "weights": {**d.weights, "file": Path(d.weights["file"]).name}, "dims": d.dims, "family": d.family,
@@ -257,14 +257,12 @@ def copy_draft(man: mf.Manifest, engines: Path, out: Path, target: dict, prompts
     return part
 
 
-def _link(src: Path, dst: Path) -> None:
-    """A hardlink (no second copy of the weights on disk), or a copy across file systems.
-    Safe to share: builds never rewrite a file in place, they replace whole folders."""
+def _copy(src: Path, dst: Path) -> None:
+    """A copy, not a hardlink: onnx refuses to read external data from a file with several
+    hard links ("potential hardlink attack"), so a link would break `onnx.load` of the
+    source's own graphs (quantizers, `specrt qdq` again) as well as this folder's."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    shutil.copy2(src, dst)
 
 
 def _attention_ops(path: Path) -> list[str]:

@@ -79,6 +79,17 @@ def test_manifest_describes_the_qdq_target_its_tokenizer_and_draft(shared, tiny_
     assert man.build["command"] == "specrt qdq" and man.build["timing"]["graphs"]
 
 
+def test_the_draft_and_tokenizer_are_copies_so_onnx_still_reads_the_sources_graphs(shared, tiny_self_engines):
+    """onnx refuses external data from a file with several hard links ("hardlink attack"):
+    a linked draft would break onnx.load of the source folder's own graphs."""
+    import onnx
+    src = mf.load(tiny_self_engines)
+    for root in (tiny_self_engines, shared):
+        assert (root / src.draft.weights["file"]).stat().st_nlink == 1
+        assert (root / "tokenizer.json").stat().st_nlink == 1
+        onnx.load(str(root / src.draft.graphs["decode"].file))     # external data loads
+
+
 def test_the_decode_graph_is_the_verify_graph_behind_a_one_token_interface(shared):
     """On SmolLM2-135M a Q/DQ graph exported for T=1 picks another token than the verify rows
     at 10 of 192 positions; the verify graph's own kernels agree bit for bit."""
@@ -96,7 +107,7 @@ def test_the_decode_graph_is_the_verify_graph_behind_a_one_token_interface(share
 
 def test_a_damaged_file_is_a_graph_file_error(shared, tmp_path):
     copy = tmp_path / "copy"
-    shutil.copytree(shared, copy)               # a real copy: the fixture's files are hardlinks of the source's
+    shutil.copytree(shared, copy)               # the fixture is module-scoped: damage a copy
     w = copy / "target" / "weights.bin"
     data = bytearray(w.read_bytes())
     data[len(data) // 2] ^= 0xFF
