@@ -48,7 +48,7 @@ class System:
 
 
 def _specrt(prec: str, folder: str, methods: tuple[str, ...]) -> list[System]:
-    label = {"plain": "plain", "speculative": "speculative (int8 self-draft)", "lookup": "prompt lookup n=2"}
+    label = {"plain": "plain", "speculative": "speculative (adaptive, int8 self-draft)", "lookup": "prompt lookup n=2"}
     return [System(f"specrt-{prec}-{m[:4] if m == 'speculative' else m}", "specrt", ROOT / folder, m,
                    f"specrt {prec} {label[m]}") for m in methods]
 
