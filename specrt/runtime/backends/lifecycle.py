@@ -117,3 +117,22 @@ class GraphLifecycle:
                     "(correct, slower)", s.step.name, error)
         self.device.eager(s.step)   # the step's outputs must exist: run it eagerly now
         s.eager_runs += 1
+
+
+class LifecycleReport:
+    """What a device runner (ort-cuda, tensorrt) reports about its CUDA graphs; the runner
+    holds `self.lifecycle` (None before activate())."""
+    lifecycle: "GraphLifecycle | None"
+
+    def argmax_step(self, graph: str, tokens, start: int, out) -> None:
+        import numpy as np
+        np.argmax(self.step(graph, tokens, start), axis=-1, out=out)
+
+    def graph_stats(self) -> dict:
+        """graph -> ShapeStats (phase, eager runs, captures, replays, fallback reason)."""
+        return self.lifecycle.stats() if self.lifecycle else {}
+
+    @property
+    def eager_fallbacks(self) -> dict[str, str]:
+        """Graphs running without a CUDA graph because their capture failed, and why."""
+        return self.lifecycle.fallbacks if self.lifecycle else {}

@@ -27,7 +27,7 @@ from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestErr
 from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import INSTALL_CUDA, CudaUnavailableError
-from specrt.runtime.backends.lifecycle import GraphLifecycle
+from specrt.runtime.backends.lifecycle import GraphLifecycle, LifecycleReport
 from specrt.runtime.backends.ort_device import OrtCudaDevice, OrtDevice
 from specrt.runtime.backends.ort_cpu import DTYPES, _check_signature, check_weights_file, io_dtypes, session_options
 
@@ -77,7 +77,7 @@ class _Graph:
         self.session.run_with_iobinding(self.binding, run_options)
 
 
-class OrtCudaModel:
+class OrtCudaModel(LifecycleReport):
     """All graphs of one model over one device KV cache (Polygraphy-style lifecycle:
     `activate()` loads and binds, `deactivate()` releases graphs and buffers; usable as a
     context manager). `step` returns a view of a reused host buffer: read it before the next step.
@@ -207,20 +207,9 @@ class OrtCudaModel:
         self.device.read(r.logits, r.logits_host)
         return r.logits_host.array[0, :n]
 
-    def argmax_step(self, graph: str, tokens, start: int, out: np.ndarray) -> None:
-        np.argmax(self.step(graph, tokens, start), axis=-1, out=out)
-
     def end_profiling(self) -> dict[str, str]:
         return {g: r.session.end_profiling() for g, r in self.graphs.items()}
 
-    def graph_stats(self) -> dict:
-        """graph -> lifecycle.ShapeStats (phase, eager runs, captures, replays, fallback reason)."""
-        return self.lifecycle.stats() if self.lifecycle else {}
-
-    @property
-    def eager_fallbacks(self) -> dict[str, str]:
-        """Graphs running without a CUDA graph because their capture failed, and why."""
-        return self.lifecycle.fallbacks if self.lifecycle else {}
 
 
 def open_model(root, entry, shapes, **kw) -> OrtCudaModel:

@@ -30,7 +30,7 @@ from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.cuda_device import CudaDevice, gpu_identity, load_cudart
 from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import CudaUnavailableError, TensorRTUnavailableError
-from specrt.runtime.backends.lifecycle import GraphLifecycle
+from specrt.runtime.backends.lifecycle import GraphLifecycle, LifecycleReport
 from specrt.runtime.backends.ort_cpu import DTYPES, io_dtypes
 from specrt.runtime.backends.trt_compat import check_engine_compat
 
@@ -154,7 +154,7 @@ def _check_engine(trt, engine, name: str, inputs: dict, outputs: dict) -> None:
                                      f"{want_alias}: rebuild with `specrt build --backend tensorrt`")
 
 
-class TrtModel:
+class TrtModel(LifecycleReport):
     """All engines of one model over one device KV cache (Polygraphy-style lifecycle:
     `activate()` deserializes and binds, `deactivate()` releases graphs, contexts and buffers;
     usable as a context manager). `step` returns a view of a reused host buffer.
@@ -251,18 +251,9 @@ class TrtModel:
         self.device.read(e.logits, e.logits_host)
         return e.logits_host.array[0, :n]
 
-    def argmax_step(self, graph: str, tokens, start: int, out: np.ndarray) -> None:
-        np.argmax(self.step(graph, tokens, start), axis=-1, out=out)
-
     def end_profiling(self) -> dict[str, str]:
         return {}
 
-    def graph_stats(self) -> dict:
-        return self.lifecycle.stats() if self.lifecycle else {}
-
-    @property
-    def eager_fallbacks(self) -> dict[str, str]:
-        return self.lifecycle.fallbacks if self.lifecycle else {}
 
 
 def open_model(root, entry, shapes, **kw) -> TrtModel:
