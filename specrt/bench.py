@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from specrt.prompts import PROMPTS
 from specrt.runtime import SamplingParams, SpeculativeGenerator
+from specrt.runtime.adaptive import expected_tokens
 
 
 def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: str, ngram: int = 2):
@@ -59,11 +60,6 @@ def memory_report(gen: SpeculativeGenerator, rss_before: int = 0) -> dict:
     return {"rss_bytes": rss, "weight_bytes": weights, "target_weight_bytes": gen.target.entry.weights["bytes"],
             "kv_bytes": kv, "rss_over_weights": rss / weights,
             "sessions": sum(len(m.graphs) for m in (gen.target, gen.draft) if m is not None)}
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """E(a, k): tokens per iteration when each draft token is accepted with probability a."""
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
 def predicted_speedup(plain, spec, k: int) -> dict:

@@ -119,10 +119,17 @@ class GraphLifecycle:
         s.eager_runs += 1
 
 
-class LifecycleReport:
-    """What a device runner (ort-cuda, tensorrt) reports about its CUDA graphs; the runner
-    holds `self.lifecycle` (None before activate())."""
+class DeviceRunner:
+    """What the device runners (ort-cuda, tensorrt) share: the context-manager lifecycle over
+    their activate()/deactivate(), greedy choice from step(), and what they report about their
+    CUDA graphs (`self.lifecycle`, None before activate())."""
     lifecycle: "GraphLifecycle | None"
+
+    def __enter__(self):
+        return self.activate()
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
 
     def argmax_step(self, graph: str, tokens, start: int, out) -> None:
         import numpy as np

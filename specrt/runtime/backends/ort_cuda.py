@@ -27,7 +27,7 @@ from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestErr
 from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import INSTALL_CUDA, CudaUnavailableError
-from specrt.runtime.backends.lifecycle import GraphLifecycle, LifecycleReport
+from specrt.runtime.backends.lifecycle import GraphLifecycle, DeviceRunner
 from specrt.runtime.backends.ort_device import OrtCudaDevice, OrtDevice
 from specrt.runtime.backends.ort_cpu import DTYPES, _check_signature, check_weights_file, io_dtypes, session_options
 
@@ -77,7 +77,7 @@ class _Graph:
         self.session.run_with_iobinding(self.binding, run_options)
 
 
-class OrtCudaModel(LifecycleReport):
+class OrtCudaModel(DeviceRunner):
     """All graphs of one model over one device KV cache (Polygraphy-style lifecycle:
     `activate()` loads and binds, `deactivate()` releases graphs and buffers; usable as a
     context manager). `step` returns a view of a reused host buffer: read it before the next step.
@@ -160,12 +160,6 @@ class OrtCudaModel(LifecycleReport):
             self.cache.free()
             self.cache = None
         self.active = False
-
-    def __enter__(self) -> "OrtCudaModel":
-        return self.activate()
-
-    def __exit__(self, *exc) -> None:
-        self.deactivate()
 
     def _session(self, ort, path: Path, capture: bool):
         if not path.is_file():

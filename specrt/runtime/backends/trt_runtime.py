@@ -30,7 +30,7 @@ from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.cuda_device import CudaDevice, gpu_identity, load_cudart
 from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import CudaUnavailableError, TensorRTUnavailableError
-from specrt.runtime.backends.lifecycle import GraphLifecycle, LifecycleReport
+from specrt.runtime.backends.lifecycle import GraphLifecycle, DeviceRunner
 from specrt.runtime.backends.ort_cpu import DTYPES, io_dtypes
 from specrt.runtime.backends.trt_compat import check_engine_compat
 
@@ -154,7 +154,7 @@ def _check_engine(trt, engine, name: str, inputs: dict, outputs: dict) -> None:
                                      f"{want_alias}: rebuild with `specrt build --backend tensorrt`")
 
 
-class TrtModel(LifecycleReport):
+class TrtModel(DeviceRunner):
     """All engines of one model over one device KV cache (Polygraphy-style lifecycle:
     `activate()` deserializes and binds, `deactivate()` releases graphs, contexts and buffers;
     usable as a context manager). `step` returns a view of a reused host buffer.
@@ -228,12 +228,6 @@ class TrtModel(LifecycleReport):
             self.cache.free()
             self.cache = None
         self.active = False
-
-    def __enter__(self) -> "TrtModel":
-        return self.activate()
-
-    def __exit__(self, *exc) -> None:
-        self.deactivate()
 
     def step(self, graph: str, tokens, start: int) -> np.ndarray:
         if not self.active:
