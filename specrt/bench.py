@@ -81,7 +81,7 @@ class _Sum:
     def __init__(self):
         self.time_verify = self.time_draft = 0.0
         self.iterations = self.drafted = self.accepted = 0
-        self.plain_steps = self.lookup_rounds = 0
+        self.plain_steps = self.lookup_rounds = self.pair_rounds = 0
 
     def add(self, m) -> None:
         self.time_verify += m.time_verify
@@ -170,6 +170,7 @@ def _bench_prompt(v: _Variant, i: int, r: int, max_new_tokens: int, sampling, ou
         ma = res["adaptive"][2]
         v.sums["adaptive"].plain_steps += ma.plain_steps
         v.sums["adaptive"].lookup_rounds += ma.lookup_rounds
+        v.sums["adaptive"].pair_rounds += ma.pair_rounds
     v.identical &= same
     for m, (toks, dt, met) in res.items():
         v.t[m] += dt
@@ -217,6 +218,7 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
                 "identical": v.adaptive_identical, "build_plan": v.plan,
                 "plain_step_share": sa.plain_steps / sa.iterations if sa.iterations else 0.0,
                 "lookup_round_share": sa.lookup_rounds / sa.iterations if sa.iterations else 0.0,
+                "pair_round_share": sa.pair_rounds / sa.iterations if sa.iterations else 0.0,
                 "mean_acceptance_length": 1 + sa.accepted / sa.iterations if sa.iterations else 0.0}
         if lookup:
             sl = v.sums["lookup"]
@@ -265,8 +267,9 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
             ad, plan = r["adaptive"], r["adaptive"]["build_plan"] or {}
             out(f"adaptive k + prompt lookup {r['engines']}: {ad['tok_s']:.1f} tok/s, x{ad['speedup']:.2f} over its "
                 f"plain (build plan: {plan.get('method')} k={plan.get('k')}, predicted x"
-                f"{plan.get('predicted_speedup', 0):.2f}) | plain steps {ad['plain_step_share']:.0%}, lookup rounds "
-                f"{ad['lookup_round_share']:.0%} of target passes, {ad['mean_acceptance_length']:.2f} tokens per pass | "
+                f"{plan.get('predicted_speedup', 0):.2f}) | plain steps {ad['plain_step_share']:.0%}, pair rounds "
+                f"{ad['pair_round_share']:.0%}, lookup rounds {ad['lookup_round_share']:.0%} of target passes, "
+                f"{ad['mean_acceptance_length']:.2f} tokens per pass | "
                 + (("identical to plain: " + ("yes" if ad["identical"] else "NO")) if greedy else "sampled"))
         if "lookup" in r:
             lk = r["lookup"]
@@ -284,18 +287,21 @@ def _lookup_report(variants, reports, out) -> None:
     predicted from this run's decode and verify step costs (runtime.proposers)."""
     from specrt.runtime.proposers import predicted_lookup_speedup, simulate_lookup
     out("prompt lookup, simulated on the plain outputs (predicted x over plain: tokens per round, rounds with a "
-        "proposal):")
+        "verified proposal, pair rounds):")
     for v, r in zip(variants, reports):
         p, found = r["prediction"], {}
         for n in (1, 2, 3):
-            stats = [simulate_lookup(ids, toks, n, v.gen.k) for ids, toks in zip(v.prompt_ids, v.plain_out) if toks]
+            stats = [simulate_lookup(ids, toks, n, v.gen.k, pair=v.gen.pair, table=v.gen.ngrams)
+                     for ids, toks in zip(v.prompt_ids, v.plain_out) if toks]
             rounds = sum(s.rounds for s in stats)
             found[n] = {"predicted_speedup": predicted_lookup_speedup(stats, p["t_target_1_ms"], p["t_target_k1_ms"]),
                         "tokens_per_round": sum(s.tokens for s in stats) / rounds if rounds else 0.0,
-                        "proposal_share": sum(s.proposal_rounds for s in stats) / rounds if rounds else 0.0}
+                        "proposal_share": sum(s.proposal_rounds for s in stats) / rounds if rounds else 0.0,
+                        "pair_share": sum(s.pair_rounds for s in stats) / rounds if rounds else 0.0}
         r["prompt_lookup"] = found
         out(f"  {v.engines}: " + " | ".join(
-            f"n={n} x{f['predicted_speedup']:.2f} ({f['tokens_per_round']:.2f}, {f['proposal_share']:.0%})"
+            f"n={n} x{f['predicted_speedup']:.2f} ({f['tokens_per_round']:.2f}, {f['proposal_share']:.0%}"
+            + (f", pairs {f['pair_share']:.0%}" if v.gen.pair else "") + ")"
             for n, f in found.items()))
 
 

@@ -91,12 +91,18 @@ class BuildConfig:
     # 4.61 -> 4.01 / 4.27, while the draft step did not measurably shrink (22-24 ms each):
     # speculative x1.95 over plain with the full head, x1.44 / x1.42 trimmed
     draft_vocab: int | None = None
+    # targets with a two-row decode graph (int8/int4): generate this many tokens of the target's
+    # own greedy text on the calibration prompts and ship its n-gram table (calibration/ngrams.py),
+    # the pair rounds' guesses where prompt lookup has none; 0 = no table
+    ngram_tokens: int = 8192
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise SpecrtError(f"{name}={v!r} must be a positive integer")
+        if not isinstance(self.ngram_tokens, int) or isinstance(self.ngram_tokens, bool) or self.ngram_tokens < 0:
+            raise SpecrtError(f"ngram_tokens={self.ngram_tokens!r} must be an integer >= 0 (0: no n-gram table)")
         if self.prefill_chunk > self.max_context:
             raise SpecrtError(f"prefill_chunk={self.prefill_chunk} exceeds max_context={self.max_context}")
         if self.k + 1 > self.max_context:

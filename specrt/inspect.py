@@ -57,6 +57,13 @@ def _plan(sp: dict) -> list[str]:
             f"{ch.get('method')} k={ch.get('k')} (adaptive k at run time starts from these)"]
 
 
+def _proposers(props: dict) -> list[str]:
+    n = props.get("ngrams")
+    return [f"ngrams     {n['file']}: {n.get('entries')} n-grams (n <= {n.get('orders')}) of the target's own "
+            f"{n.get('generated_tokens')} greedy tokens on {n.get('prompts')} calibration prompts: pair-round "
+            "guesses"] if n else []
+
+
 def describe(man: mf.Manifest) -> str:
     s = man.shapes
     choice = man.build.get("backend") or {}
@@ -67,6 +74,7 @@ def describe(man: mf.Manifest) -> str:
         *(_engines(man.engines) if man.engines else []),
         *(_quality(man.quality) if man.quality else []),
         *(_plan(man.build.get("speculation")) if man.build.get("speculation") else []),
+        *(_proposers(man.proposers) if man.proposers else []),
         f"shapes     batch={s.batch} max_context={s.max_context} prefill_chunk={s.prefill_chunk} k={s.k} "
         f"kv_capacity={s.kv_capacity}",
         "tools      " + ", ".join(f"{k} {v}" for k, v in man.tools.items()),

@@ -105,6 +105,8 @@ class Manifest:
     engines: dict | None = None
     # `specrt quality --record`: this folder's row of the quality table, with its reference and prompts
     quality: dict | None = None
+    # proposals that ship with the engines: {"ngrams": {"file", "sha256", "bytes", ...}} (runtime/ngrams.py)
+    proposers: dict | None = None
     specrt_version: str = __version__
     schema_version: int = SCHEMA_VERSION
     format: str = FORMAT
@@ -120,7 +122,7 @@ class Manifest:
     # --- io ---------------------------------------------------------------------------
     def to_json(self) -> str:
         raw = asdict(self)
-        for key in ("engines", "quality"):  # absent unless there: ONNX-only builds, quality never recorded
+        for key in ("engines", "quality", "proposers"):  # absent unless there (ONNX-only builds, ...)
             if raw[key] is None:
                 del raw[key]
         for m in raw["models"].values():
@@ -182,7 +184,10 @@ def load(directory: str | Path) -> Manifest:
     window = sh.windows
     for role, m in man.models.items():
         for g, e in m.graphs.items():
-            if g in window and e.tokens != window[g]:
+            # a quantized target's decode graph may run 2 rows (calibration/rows.py): one
+            # padding row in a plain step, a guessed token in a pair round (runtime/loop.py)
+            wide_decode = role == "target" and g == "decode" and e.tokens == DECODE_PAIR_ROWS
+            if g in window and e.tokens != window[g] and not wide_decode:
                 raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "
                                     "(inconsistent manifest): rebuild the engines")
         need = REQUIRED_GRAPHS[role if role == "target" else ("shared" if m.shares_cache_with else "own")]
@@ -193,6 +198,8 @@ def load(directory: str | Path) -> Manifest:
         _check_initializers(path, role, m)
     return man
 
+
+DECODE_PAIR_ROWS = 2    # the widest decode graph a target may have (T=2: plain steps pad one row)
 
 # graphs each model needs: the target always has all three (plain and speculative use
 # them); a draft that reads the target's cache only steps, a draft with its own prefills
@@ -237,6 +244,12 @@ def _check_structure(raw: dict) -> None:
     if not all(isinstance(i, int) for i in tok.get("eos_token_ids", [])):
         raise TypeError("tokenizer.eos_token_ids must be integers")
     _check_engines(raw)
+    props = raw.get("proposers")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise TypeError("proposers must be an object")
+        for name, e in props.items():
+            _check_engine_file(f"proposers.{name}", e)
 
 
 def _check_engine_file(where: str, e) -> None:
@@ -309,6 +322,7 @@ def artifact_files(man: Manifest) -> list[tuple[str, str]]:
     entries += [(g.engine["file"], g.engine["sha256"]) for m in man.models.values() for g in m.graphs.values()
                 if g.engine is not None]
     entries.append((man.tokenizer["file"], man.tokenizer["sha256"]))
+    entries += [(e["file"], e["sha256"]) for e in (man.proposers or {}).values()]
     return entries
 
 
@@ -317,6 +331,7 @@ def check_files(man: Manifest, directory: Path, *, hashes: bool = False) -> None
     sizes = {m.weights["file"]: m.weights["bytes"] for m in man.models.values()}
     sizes.update({g.engine["file"]: g.engine["bytes"] for m in man.models.values() for g in m.graphs.values()
                   if g.engine is not None})
+    sizes.update({e["file"]: e["bytes"] for e in (man.proposers or {}).values()})
     for rel, digest in artifact_files(man):
         p = Path(directory) / rel
         if not p.is_file():

@@ -52,7 +52,9 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
 
     shapes, kind = cfg.shapes, cfg.draft_kind
     n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
-    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None), desc="build", unit="step", disable=not progress)
+    table = bool(cfg.ngram_tokens) and cfg.precision != "fp32"   # a two-row decode graph (checked below)
+    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None) + table, desc="build", unit="step",
+               disable=not progress)
     t_start = time.perf_counter()
 
     def step(msg):
@@ -143,6 +145,13 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
                  source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
                  kv=_kv(cfg, None))
         parts["draft"] = d
+    proposers = {}
+    if cfg.ngram_tokens and part["graphs"]["decode"]["tokens"] > 1:   # pair rounds: guesses where lookup has none
+        from specrt.calibration import ngrams
+        bar.set_postfix_str(f"n-gram table: generating {cfg.ngram_tokens} tokens")
+        proposers["ngrams"] = ngrams.build(tgt, tmp / "target", part, shapes, tmp / "ngrams.json", cfg.ngram_tokens,
+                                           set(tok_info["eos_token_ids"]))
+        step(f"n-gram table: {proposers['ngrams']['entries']} entries")
     if fp32_dir.name == "_fp32":
         shutil.rmtree(fp32_dir)
     build_info = {"config": cfg.as_dict(), "backend": choice}
@@ -150,7 +159,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
         bar.set_postfix_str("timing the graphs")
         build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
     build_info["seconds"] = round(time.perf_counter() - t_start, 1)
-    ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info)
+    ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
@@ -189,22 +198,23 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
 def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:
     """The target's prefill/decode/verify graphs quantized as cfg.precision says, with
     their agreement with the fp32 export measured on real prompts. With int8 compute the
-    decode graph is exported for 2 rows and given a one-token interface (calibration/rows.py),
-    so plain decoding runs the verify pass's kernels and rounds exactly as it does."""
+    decode graph is exported for 2 rows (calibration/rows.py): a plain step pads one row, so
+    plain decoding runs the verify pass's kernels and rounds exactly as it does, and a pair
+    round verifies one guessed token in that row at no extra cost (runtime/loop.py)."""
     from specrt.calibration import identity, quantize, rows
     from specrt.export import onnx_export
     spec = quantize.QuantSpec(**cfg.target_quantization)
-    source, wrap = fp32, None
-    if spec.accuracy_level == 4:
+    source, wide = fp32, spec.accuracy_level == 4
+    if wide:
         name = f"decode_rows{rows.ROWS}.onnx"
         module = onnx_export.build_module(tgt, rows.ROWS, cfg.shapes.kv_capacity, attention=cfg.attention)
         onnx_export.export_graph(module, fp32_dir / name)
-        source = {**fp32, "graphs": {**fp32["graphs"], "decode": {**fp32["graphs"]["decode"], "file": name}}}
-        wrap = {"decode": rows.one_token_interface}
-    part = quantize.quantize_graphs(fp32_dir, source, out_dir, ("prefill", "decode", "verify"), spec, wrap=wrap)
+        source = {**fp32, "graphs": {**fp32["graphs"], "decode": {"file": name, "tokens": rows.ROWS}}}
+    part = quantize.quantize_graphs(fp32_dir, source, out_dir, ("prefill", "decode", "verify"), spec)
     how = part.pop("quantization")
-    how["decode_graph"] = (f"exported for T={rows.ROWS} with a one-token interface (one padding row): the "
-                           "multi-row int8-compute kernels of the verify pass" if wrap else "exported for T=1")
+    how["decode_graph"] = (f"exported for T={rows.ROWS}: a plain step pads one row and runs the multi-row "
+                           "int8-compute kernels of the verify pass; a pair round verifies one guessed token "
+                           "in the second row at the same cost" if wide else "exported for T=1")
     # the export's parity vs torch describes the fp32 graphs, not these: kept, but under its own key
     part["parity"] = {"fp32_export": fp32["parity"],
                       "agreement_with_fp32": identity.target_agreement(fp32_dir, fp32, out_dir, part, cfg.shapes,
@@ -223,7 +233,7 @@ def _check_identity(cfg: BuildConfig, model_dir: Path, part: dict, prompts) -> d
     from specrt.errors import ParityError
     r = identity.decode_verify_agreement(model_dir, part, cfg.shapes, prompts)
     q = cfg.target_quantization
-    r["plain_decoding"] = ("the decode graph: T=2 kernels behind a one-token interface (as the verify graph's rows)"
+    r["plain_decoding"] = ("the decode graph: T=2 kernels, one padding row (as the verify graph's rows)"
                            if q and q.get("accuracy_level") == 4 else "the decode graph (T=1)") \
         + f"; speculation verifies with the verify graph (T={cfg.k + 1})"
     r["guarantee"] = ("bit for bit: every verify row equals the decode row" if r["bitwise_equal"] else

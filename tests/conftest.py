@@ -73,7 +73,7 @@ def build_tiny(out: Path, target: Path, draft: str, **kw) -> Path:
     # measure_costs off: these engines test the fixed-k loop; adaptive k has its own tests
     cfg = BuildConfig(target=str(target), out=str(out), draft=draft, max_context=kw.pop("max_context", 96),
                       prefill_chunk=kw.pop("prefill_chunk", 16), k=kw.pop("k", 3),
-                      measure_costs=kw.pop("measure_costs", False), **kw)
+                      measure_costs=kw.pop("measure_costs", False), ngram_tokens=kw.pop("ngram_tokens", 512), **kw)
     return build(cfg, progress=False)
 
 
@@ -82,6 +82,15 @@ def tiny_engines(tmp_path_factory, tiny_pair) -> Path:
     """A tiny llama target (3 layers) with a separate 1-layer draft, own caches."""
     target, draft = tiny_pair
     return _once(tmp_path_factory, "eng-pair", lambda d: build_tiny(d / "pair", target, str(draft)))
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_engines(tmp_path_factory, tiny_pair) -> Path:
+    """The tiny target quantized to int4 (MatMulNBits, int8 compute: a two-row decode graph)
+    with its dynamic-INT8 copy as draft."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-int4",
+                 lambda d: build_tiny(d / "int4", target, "int8", precision="int4", block_size=16))
 
 
 @pytest.fixture(scope="session")

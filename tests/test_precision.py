@@ -20,10 +20,8 @@ def int8_engines(tmp_path_factory, tiny_pair):
 
 
 @pytest.fixture(scope="module")
-def int4_engines(tmp_path_factory, tiny_pair):
-    from conftest import build_tiny
-    return build_tiny(tmp_path_factory.mktemp("prec") / "int4", tiny_pair[0], "int8", precision="int4",
-                      block_size=16)
+def int4_engines(tiny_int4_engines):
+    return tiny_int4_engines
 
 
 def _tokens(g, ids, n, method):
@@ -54,6 +52,8 @@ def test_manifest_records_precision_and_how_it_was_made(request, which, bits, bl
     if q["accuracy_level"] == 4:   # plain decoding runs the verify pass's kernels: bit for bit
         assert ident["bitwise_equal"] and ident["max_abs_logit_delta"] == 0.0, ident
         assert "T=2" in q["decode_graph"]
+        assert t["graphs"]["decode"]["tokens"] == 2     # a plain step pads a row; a pair round fills it
+        assert "pair rounds" in ident["how"]            # the identity check replayed two-token windows too
     assert "graphs" in t["parity"]["fp32_export"] and "graphs" not in t["parity"]   # export parity, kept apart
     agree = t["parity"]["agreement_with_fp32"]
     assert 0 < agree["top1_agreement"] <= 1 and agree["positions"] > 0 and agree["mean_kl"] >= 0

@@ -13,6 +13,8 @@ with its own cache (as the runtime would build it):
     decode path : prefill(prompt) -> decode x n                        (plain decoding)
     verify path : prefill(prompt) -> verify windows of k+1 at P, P+k+1, ...
     phase path  : prefill(prompt) -> a padded window of 2 -> windows of k+1
+    pair path   : prefill(prompt) -> one decode step -> two-token decode windows (only for a
+                  two-row decode graph: the windows a pair round runs)
                   (the same positions land in other rows, and padding is exercised)
 
 and compares every row's logits with the decode path's: max |delta logit|, argmax
@@ -61,11 +63,14 @@ def decode_verify_agreement(model_dir: Path, part: dict, shapes: mf.Shapes, toke
             ref.append(gs.step("decode", seq[i:i + 1], P + i)[0].copy())
             seq.append(int(ref[-1].argmax()))
         ref = np.stack(ref)                                  # [n, V]
-        for first in (0, 2):
+        # verify windows at two phases; a two-row decode graph also replays pairs (pair rounds)
+        paths = [("verify", first, width) for first in (0, 2)] + \
+            [("decode", 1, pair) for pair in (graphs["decode"]["tokens"],) if pair > 1]
+        for graph, first, w in paths:
             _reset(gs)
             gs.step("prefill", ids, 0)
-            for lo, hi in _windows(first, n, width):
-                got = gs.step("verify", seq[lo:hi], P + lo)  # [hi-lo, V]
+            for lo, hi in _windows(first, n, w):
+                got = gs.step(graph, seq[lo:hi], P + lo)     # [hi-lo, V]
                 want = ref[lo:hi]
                 d = np.abs(got - want)
                 max_delta = max(max_delta, float(d.max()))
@@ -75,7 +80,9 @@ def decode_verify_agreement(model_dir: Path, part: dict, shapes: mf.Shapes, toke
     return {"rows": rows, "argmax_flips": flips, "bitwise_equal_rows": bitwise,
             "bitwise_equal": bitwise == rows, "max_abs_logit_delta": max_delta,
             "prompts": len(token_lists), "new_tokens_per_prompt": n_new,
-            "how": "greedy continuation replayed by decode steps and by verify windows (two phases)"}
+            "how": "greedy continuation replayed by decode steps and by verify windows (two phases)"
+                   + (", and by two-token windows of the decode graph (pair rounds)" if graphs["decode"]["tokens"] > 1
+                      else "")}
 
 
 def target_agreement(reference_dir: Path, reference: dict, model_dir: Path, part: dict, shapes: mf.Shapes,

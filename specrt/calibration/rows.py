@@ -1,4 +1,4 @@
-"""A one-token graph that runs the multi-row kernels: plain decoding through the same
+"""A decode graph that runs the multi-row kernels: plain decoding through the same
 arithmetic as the verify pass.
 
 ONNX Runtime's MatMulNBits with int8 compute (accuracy_level 4) takes one code path for
@@ -7,16 +7,21 @@ SmolLM2-135M int4, verify rows and decode rows differ by up to ~1.4 in a logit a
 another token at ~2% of positions, so greedy speculation would not reproduce plain
 decoding. Rows of the multi-row path are bit for bit independent of the other rows of
 the call (measured: a position gives the same logits in any row of a T=5 window, with
-or without padding, and in a T=2 call). So the target's decode graph is exported for
-T=2 and given a T=1 interface:
+or without padding, and in a T=2 call). So a quantized target's decode graph is exported
+for T=2 (manifest `tokens: 2`): a plain step feeds one token and the runtime pads the
+second row (the padding row writes its K/V one row past the length, where nothing reads
+it; the cache has a window of spare rows). Cost: ~1.1x a T=1 step. That second row is
+not wasted: a *pair round* (runtime/loop.py) puts a guessed next token there, and when the
+guess is right the step emits two tokens for the price of one.
+
+`one_token_interface` wraps a T=rows graph behind a one-token signature (pad inside the
+graph, keep row 0); `specrt qdq` uses it for its Q/DQ decode graph (the verify graph
+behind a one-token interface), and older builds' int4/int8 decode graphs were made so:
 
     input_ids [1,1] ─Concat(zeros [1,rows-1])─► [1,rows] ─► decoder (T=rows) ─► logits [1,rows,V]
                                                                  │                  └─Slice row 0─► logits [1,1,V]
                                                                  └─ new_k/new_v [1,KVH,rows,D] ─Slice row 0─► [1,KVH,1,D]
                                                                     (in-place present_* are the whole cache: unchanged)
-
-The padding row writes its K/V one row past the length, where nothing reads it (the
-cache has a window of spare rows; the next step overwrites it). Cost: ~1.1x a T=1 step.
 """
 from __future__ import annotations
 

@@ -36,12 +36,13 @@ def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
 
 
 def assemble_manifest(shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
-                      device: dict | None = None) -> mf.Manifest:
+                      device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
     """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}.
-    device: the build's target device (default: this CPU)."""
+    device: the build's target device (default: this CPU). proposers: files shipped for the
+    runtime's proposals (e.g. {"ngrams": {...}}, calibration/ngrams.py)."""
     models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
     return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or mf.this_device(),
-                       tools=tool_versions(), build=build)
+                       tools=tool_versions(), build=build, proposers=proposers or None)
 
 
 def save_manifest(man: mf.Manifest, out: Path) -> mf.Manifest:
@@ -52,5 +53,5 @@ def save_manifest(man: mf.Manifest, out: Path) -> mf.Manifest:
 
 
 def write_manifest(out: Path, shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
-                   device: dict | None = None) -> mf.Manifest:
-    return save_manifest(assemble_manifest(shapes, parts, tokenizer, build, device), out)
+                   device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
+    return save_manifest(assemble_manifest(shapes, parts, tokenizer, build, device, proposers), out)

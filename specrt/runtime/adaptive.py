@@ -16,7 +16,9 @@ for the full window; the formula uses that measured cost.
 
 After falling back to plain decoding the policy gathers no new evidence, so it probes:
 after `cooldown` plain steps it runs one speculative round at its best k, whose verdict
-updates `a`. Likewise a lookup guess passed over `lookup_cooldown` times is tried once:
+updates `a`; a probe after which the draft still does not pay doubles the wait (up to
+`max_cooldown`), and the draft paying again resets it, so a draft that never pays (an int4
+target's int8 self-draft costs more than a target step) costs fewer and fewer probes. Likewise a lookup guess passed over `lookup_cooldown` times is tried once:
 matches come in runs (a passage quoted from the prompt), so one failed guess says little
 about the next.
 
@@ -25,6 +27,15 @@ earlier, their continuation is a free guess; a lookup round costs one verify pas
 draft steps, so it wins whenever E(a_lookup, g) / t_verify beats the draft's rate and
 plain decoding's (a_lookup estimated apart from the draft's). This is what makes
 speculation pay on a target too fast for any model draft (an int4 target on a CPU).
+
+Pair rounds (a target whose decode graph runs two rows, as a quantized target's does, see
+calibration/rows.py): a plain step already pays for a second row, so one guessed token
+(prompt lookup's first, or its 1-gram match) rides in it for free:
+
+    rate(pair) = (1 + a_pair) / t_decode  >=  rate(0)
+
+so whenever a guess exists and the best choice would be a plain step, the round is a pair
+round; it also competes with draft and lookup rounds on rate (a_pair estimated apart).
 
 Why the costs are fixed numbers from the build, not timed online: the choice of k
 decides how many random draws a round consumes, so choices that depended on wall-clock
@@ -105,36 +116,46 @@ class _Acceptance:
 
 class AdaptiveK:
     """The per-generation policy: choose() -> (how, k) for the next round, observe() after
-    it. how: "plain" (k = 0, one decode step), "draft" (k draft tokens) or "lookup" (the
+    it. how: "plain" (k = 0, one decode step), "draft" (k draft tokens), "lookup" (the
     first k tokens of prompt lookup's guess: free to propose, so a round costs one verify
-    pass). Draft and lookup proposals keep separate acceptance estimates. Deterministic:
-    a function of the verdicts seen (see the module docstring)."""
+    pass) or "pair" (k = 1: one guessed token in the decode graph's second row, costing a
+    plain step). Each proposer keeps its own acceptance estimate. Deterministic: a
+    function of the verdicts seen (see the module docstring)."""
 
     def __init__(self, costs: StepCosts, k_max: int, *, prior: float = 0.8, prior_weight: float = 4.0,
-                 forget: float = 0.9, cooldown: int = 16, lookup_prior: float = 0.5, lookup_cooldown: int = 4):
+                 forget: float = 0.9, cooldown: int = 16, lookup_prior: float = 0.5, lookup_cooldown: int = 4,
+                 pair_prior: float = 0.3, max_cooldown: int = 256):
         if k_max < 1:
             raise ValueError(f"k_max={k_max} must be >= 1")
         self.costs, self.k_max, self.cooldown = costs, k_max, cooldown
         self.draft = _Acceptance(prior, prior_weight, forget)
         self.lookup = _Acceptance(lookup_prior, prior_weight, forget)
-        self.plain_run = 0          # plain steps since the last draft round
+        self.pair = _Acceptance(pair_prior, prior_weight, forget)
+        self.plain_run = 0          # plain (and pair) steps since the last draft round
+        self.probe_gap, self.max_cooldown = cooldown, max_cooldown   # plain steps before the next probe
         self.lookup_cooldown = lookup_cooldown
         self.lookup_refused = 0     # lookup guesses passed over since the last lookup round
-        self.rounds = {"plain": 0, "draft": 0, "lookup": 0, "probe": 0}
+        self.rounds = {"plain": 0, "draft": 0, "lookup": 0, "pair": 0, "probe": 0}
 
     @property
     def acceptance(self) -> float:
         return self.draft.mean
 
-    def choose(self, budget_k: int | None = None, lookup_len: int = 0) -> tuple[str, int]:
+    def choose(self, budget_k: int | None = None, lookup_len: int = 0, pair: bool = False,
+               draft: bool = True) -> tuple[str, int]:
         """The next round, with at most budget_k proposed tokens (the tokens still allowed
-        minus one) and a lookup guess of lookup_len tokens available (0: none)."""
+        minus one), a lookup guess of lookup_len tokens available (0: none), a one-token
+        guess for a pair round available (`pair`), and a draft model (`draft`)."""
         cap = self.k_max if budget_k is None else min(self.k_max, budget_k)
         if cap < 1:
             return "plain", 0
         c = self.costs
-        k = c.best_k(self.draft.mean, cap)
+        k = c.best_k(self.draft.mean, cap) if draft else 0
         best = ("draft", k, c.rate(self.draft.mean, k)) if k else ("plain", 0, c.rate(0.0, 0))
+        if pair:   # the decode graph's second row: 1 + a_pair tokens for the price of a plain step
+            rate = expected_tokens(self.pair.mean, 1) / c.decode      # > a plain step's 1 / t_decode
+            if rate > best[2]:
+                best = ("pair", 1, rate)
         g = min(lookup_len, cap)
         if g:   # a lookup round: E(a_lookup, g) tokens for one verify pass, nothing to draft
             rate = expected_tokens(self.lookup.mean, g) / c.verify
@@ -144,7 +165,7 @@ class AdaptiveK:
                 self.lookup_refused = 0
                 return "lookup", g
             self.lookup_refused += 1
-        if best[0] == "plain" and self.plain_run >= self.cooldown:
+        if draft and best[0] in ("plain", "pair") and self.plain_run >= self.probe_gap:
             self.rounds["probe"] += 1
             return "draft", c.best_k(self.draft.mean, cap, allow_plain=False)
         return best[0], best[1]
@@ -152,10 +173,18 @@ class AdaptiveK:
     def observe(self, how: str, k: int, accepted: int) -> None:
         """The verdict of a round: k tokens proposed by `how`, `accepted` of them kept."""
         self.rounds[how] += 1
-        if how == "plain":
+        if how in ("plain", "pair"):
             self.plain_run += 1    # no evidence about the draft
+            if how == "pair":
+                self.pair.observe(k, accepted)
         elif how == "draft":
+            probe = self.plain_run >= self.probe_gap
             self.plain_run = 0
             self.draft.observe(k, accepted)
+            pays = self.costs.best_k(self.draft.mean, self.k_max) > 0
+            if pays:
+                self.probe_gap = self.cooldown
+            elif probe:               # probed and the draft still does not pay: wait longer next time
+                self.probe_gap = min(2 * self.probe_gap, self.max_cooldown)
         else:
             self.lookup.observe(k, accepted)

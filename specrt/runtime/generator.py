@@ -36,6 +36,7 @@ from specrt.errors import (
 from specrt.runtime.adaptive import AdaptiveK, StepCosts
 from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
 from specrt.runtime.metrics import Metrics
+from specrt.runtime.ngrams import NgramTable
 from specrt.runtime.proposers import lookup_decode
 from specrt.runtime.backends import backend_for
 from specrt.runtime.sampling import SamplingParams
@@ -106,6 +107,11 @@ class SpeculativeGenerator:
                 f"rebuild with --k {k} for a larger window")
         if memory not in self.backend.memory_modes:
             raise SamplingParamsError(f"memory={memory!r}; choose one of {self.backend.memory_modes}")
+        if memory == "shared" and _matmul_nbits(man.target):
+            # measured on SmolLM2 int4: decode 265 ms per step unpacked vs 6.3 ms pre-packed
+            raise ConfigError(f"memory='shared' does not suit this {man.target.precision} target: its MatMulNBits "
+                              "graphs run ~40x slower without ONNX Runtime's pre-packing; use memory='fast' "
+                              "(the weights are already small), or methods=('speculative',) to load fewer graphs")
         self.methods = tuple(methods) if methods is not None else (METHODS if man.draft else ("plain", "lookup"))
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
@@ -139,6 +145,10 @@ class SpeculativeGenerator:
         target_graphs = ("prefill",) + (("decode",) if {"plain", "lookup"} & set(self.methods) else ()) \
             + (("verify",) if {"speculative", "lookup"} & set(self.methods) else ())
         self.target_graphs = target_graphs
+        # a two-row decode graph (a quantized target's): pair rounds verify a guessed token in its second row
+        self.pair = "decode" in target_graphs and man.target.graphs["decode"].tokens >= 2
+        ngrams = (man.proposers or {}).get("ngrams")
+        self.ngrams = NgramTable.load(self.root / ngrams["file"]) if ngrams and self.pair else None
         try:
             self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
                                                   graphs=target_graphs, **extra)
@@ -282,14 +292,15 @@ class SpeculativeGenerator:
                 inner = plain_decode(self.target, first, P, budget, sampling, rng, self.ws, m)
             elif method == "lookup":
                 inner = lookup_decode(self.target, first, P, budget, m, seq=list(prompt_ids), n=ngram, k=self.k,
-                                      choices=self.ws.argmax)
+                                      choices=self.ws.argmax, pair=self.pair, table=self.ngrams)
             else:
                 inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
                                            draft_start=P, shared_cache=self.draft.shares_cache,
                                            seq=list(prompt_ids),
                                            policy=(policy := self._policy() if adaptive is None else
                                                    self._new_policy() if adaptive else None),
-                                           lookup_n=ngram if policy is not None else 0)
+                                           lookup_n=ngram if policy is not None else 0, pair=self.pair,
+                                           table=self.ngrams)
             with _closing(inner):
                 yield from inner
             m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")
@@ -396,6 +407,12 @@ class _closing:
     def __exit__(self, *exc):
         self.gen.close()
         return False
+
+
+def _matmul_nbits(entry: mf.ModelEntry) -> bool:
+    """Were this model's weights quantized to ONNX Runtime's MatMulNBits (int8/int4 targets)?"""
+    q = (entry.source or {}).get("quantization") or {}
+    return "MatMulNBits" in str(q.get("method", ""))
 
 
 def _check_same_vocab(man: mf.Manifest) -> None:

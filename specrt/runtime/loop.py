@@ -27,7 +27,7 @@ from specrt.runtime import trace
 from specrt.runtime.adaptive import AdaptiveK
 from specrt.runtime.backends.base import ModelRunner as Model
 from specrt.runtime.metrics import Metrics
-from specrt.runtime.proposers import lookup
+from specrt.runtime.proposers import lookup, one_guess
 from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
 
 
@@ -99,7 +99,8 @@ def plain_decode(target: Model, first_logits: np.ndarray, start: int, budget: in
 def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, start: int, budget: int,
                        params: SamplingParams, rng, ws: Workspace, metrics: Metrics, *,
                        draft_start: int, shared_cache: bool, seq: list[int],
-                       policy: AdaptiveK | None = None, lookup_n: int = 0) -> Iterator[Emitted]:
+                       policy: AdaptiveK | None = None, lookup_n: int = 0, pair: bool = False,
+                       table=None) -> Iterator[Emitted]:
     """Speculative decoding: the draft proposes ws.k tokens, the target verifies them in one pass.
 
     start: tokens with KV in the target cache (the prompt). draft_start: the same for the
@@ -112,6 +113,10 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
     prompt lookup's guess (the continuation of the latest earlier match of the last lookup_n
     tokens: free to propose, verified like a draft whose distribution is one-hot). None:
     every round drafts ws.k (fewer near the budget).
+    pair: the target's decode graph runs two rows (a quantized target's, calibration/rows.py);
+    with a policy and lookup_n > 0, a round may then put one guessed token (prompt lookup's
+    first, a 1-gram match, or the engines' n-gram `table`, runtime/ngrams.py) in the second
+    row: a *pair round*, verified like a lookup round of k = 1 for the cost of a plain step.
     """
     k, vt = ws.k, ws.verify_tokens
     length = start                     # target rows with KV; seq[length] is `cur`
@@ -127,7 +132,10 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
             how = "draft"
             if policy is not None:
                 guess = lookup(seq, lookup_n, k_eff) if lookup_n and k_eff else ()
-                how, k_eff = policy.choose(k_eff, len(guess))
+                one = one_guess(seq, guess, table) if pair and lookup_n and k_eff else None
+                how, k_eff = policy.choose(k_eff, len(guess), pair=one is not None)
+                if how == "pair":              # the guess rides in the decode graph's second row
+                    guess = (one,)
                 if how == "plain":             # speculation does not pay here: one plain step
                     cur = _plain_step(target, cur, length, params, rng, ws, metrics)
                     policy.observe("plain", 0, 0)
@@ -140,13 +148,16 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
             t0 = time.perf_counter()
             trace.push("draft")
             x = vt[0] = cur                  # verify window: [cur, x1..x_k_eff]
-            if how == "lookup":              # prompt lookup's guess: a deterministic (one-hot) proposal
+            if how in ("lookup", "pair"):    # a guess: a deterministic (one-hot) proposal
                 for j in range(k_eff):
                     x = vt[j + 1] = ws.draft_tokens[j] = guess[j]
                     if not params.greedy:
                         ws.q[j].fill(0.0)
                         ws.q[j, x] = 1.0
-                metrics.lookup_rounds += 1
+                if how == "pair":
+                    metrics.pair_rounds += 1
+                else:
+                    metrics.lookup_rounds += 1
             else:
                 if not shared_cache:         # feed what the draft has not seen (e.g. a bonus token's predecessor)
                     while d_len < length:
@@ -165,11 +176,12 @@ def speculative_decode(target: Model, draft: Model, first_logits: np.ndarray, st
             t1 = time.perf_counter()
             trace.push("verify")
             window = vt[:k_eff + 1] if k_eff < k else vt
+            graph = "decode" if how == "pair" else "verify"
             if params.greedy:                # [k_eff+1] target choices, no logits rows on the host
-                target.argmax_step("verify", window, length, ws.argmax[:k_eff + 1])
+                target.argmax_step(graph, window, length, ws.argmax[:k_eff + 1])
                 p_logits = None
             else:
-                p_logits = target.step("verify", window, length)
+                p_logits = target.step(graph, window, length)
             trace.pop()
             t2 = time.perf_counter()
             trace.push("accept")

@@ -25,6 +25,7 @@ class Metrics:
     time_verify: float = 0.0        # target passes (verify, or decode for plain)
     plain_steps: int = 0            # adaptive k: rounds that fell back to a plain decode step
     lookup_rounds: int = 0          # adaptive k: rounds that verified prompt lookup's guess, not a draft's
+    pair_rounds: int = 0            # rounds that verified one guessed token in the decode graph's second row
     time_accept: float = 0.0
     time_total: float = 0.0
     finish_reason: str | None = None
@@ -66,7 +67,7 @@ class Metrics:
     def as_dict(self) -> dict:
         return {
             "method": self.method, "k": self.k, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
-            "iterations": self.iterations, "plain_steps": self.plain_steps, "lookup_rounds": self.lookup_rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "iterations": self.iterations, "plain_steps": self.plain_steps, "lookup_rounds": self.lookup_rounds, "pair_rounds": self.pair_rounds, "drafted": self.drafted, "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 3),
             "acceptance_per_position": [round(x, 3) for x in self.acceptance_per_position],

@@ -264,3 +264,22 @@ def test_bench_runs_fixed_and_adaptive_k_side_by_side(planned):
 def test_backend_options_the_backend_does_not_take_are_a_config_error(tiny_engines):
     with pytest.raises(ConfigError, match="ort-cpu backend does not take"):
         SpeculativeGenerator(tiny_engines, backend_options={"cuda_graphs": False})
+
+
+def test_probes_of_a_draft_that_never_pays_come_ever_more_rarely_and_reset_when_it_pays():
+    p = AdaptiveK(StepCosts(decode=5.6, verify=10.0, draft=8.3), 4, prior=0.68, cooldown=16, max_cooldown=128)
+    probes = []
+    for i in range(700):
+        how, k = p.choose(4)
+        p.observe(how, k, 0)          # every drafted token rejected
+        if how == "draft":
+            probes.append(i)
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [32, 64, 128, 128], (probes, gaps)      # the first probe after 16, then doubling, capped
+    cheap = AdaptiveK(StepCosts(decode=5.6, verify=6.0, draft=0.1), 4, prior=0.05, cooldown=16)
+    cheap.probe_gap = 128
+    cheap.plain_run = 128
+    how, k = cheap.choose(4)
+    assert how == "draft"
+    cheap.observe("draft", k, k)      # all accepted: the draft pays now
+    assert cheap.probe_gap == 16

@@ -222,12 +222,14 @@ class Scripted:
     def __init__(self, script):
         self.script, self.i = list(script), 0
 
-    def choose(self, budget_k=None, lookup_len=0):
+    def choose(self, budget_k=None, lookup_len=0, pair=False):
         how, k = self.script[self.i % len(self.script)]
         self.i += 1
         k = k if budget_k is None else min(k, budget_k)
         if how == "lookup":
             how, k = ("lookup", min(k, lookup_len)) if lookup_len else ("draft", k)
+        if how == "pair" and not pair:
+            how, k = "plain", 0
         return (how, k) if k or how == "plain" else ("plain", 0)
 
     def observe(self, how, k, accepted):
@@ -260,5 +262,29 @@ def test_sampling_stays_exact_when_rounds_mix_plain_steps_lookup_and_draft_lengt
     assert plain >= N // 4 and (looked >= N // 4 if wants_lookup else looked == 0), (plain, looked)
     if wants_lookup:   # the check means something only if lookup guesses are both accepted and rejected
         assert 0.1 < accepted / proposed < 0.9, (accepted, proposed)
+    fit = fit_of(want, counts)
+    assert fit.passes and fit.outside_support == 0, fit
+
+
+def test_sampling_stays_exact_with_pair_rounds(gen, tiny_pair, monkeypatch):
+    """A pair round puts one guessed token in the second row of the target's decode graph
+    (a quantized target's runs two rows) and verifies it like a one-hot draft of k = 1. The
+    fp32 target's decode graph has one row, so here its verify graph stands in for a two-row
+    decode graph (same rows, padded): the loop's pair path against the exact distribution."""
+    prompt = PROMPT + [e.token for e in gen.tokens(PROMPT, max_new_tokens=40, method="plain")]
+    want = exact_of(tree_of(tiny_pair[0], prompt))
+    monkeypatch.setitem(gen.target.graphs, "decode", gen.target.graphs["verify"])
+    monkeypatch.setattr(gen, "pair", True)
+    monkeypatch.setattr(gen, "_policy", lambda: Scripted([("pair", 1), ("pair", 1), ("draft", 2)]))
+    counts, paired, accepted, proposed = Counter(), 0, 0, 0
+    for seed in range(N // 2):
+        sp = SamplingParams(**PARAMS, seed=seed)
+        toks = [e.token for e in gen.tokens(prompt, max_new_tokens=NEW, sampling=sp, ngram=1)]
+        counts[tuple(toks[:DEPTH])] += 1
+        paired += gen.last_metrics.pair_rounds
+        accepted += gen.last_metrics.accepted
+        proposed += gen.last_metrics.drafted
+    assert paired >= N // 6, paired                  # pair rounds ran (in rounds where a 1-gram guess exists)
+    assert 0.1 < accepted / proposed < 0.9, (accepted, proposed)
     fit = fit_of(want, counts)
     assert fit.passes and fit.outside_support == 0, fit
