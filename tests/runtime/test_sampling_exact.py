@@ -236,6 +236,20 @@ class Scripted:
         pass
 
 
+def _scripted_runs(gen, prompt) -> tuple[Counter, Counter]:
+    """N // 2 seeded runs under the scripted policy: (counts of the first DEPTH tokens, summed
+    metrics: plain_steps, lookup_rounds, pair_rounds, accepted, drafted)."""
+    counts, sums = Counter(), Counter()
+    for seed in range(N // 2):
+        sp = SamplingParams(**PARAMS, seed=seed)
+        toks = [e.token for e in gen.tokens(prompt, max_new_tokens=NEW, sampling=sp, ngram=1)]
+        counts[tuple(toks[:DEPTH])] += 1
+        m = gen.last_metrics
+        sums.update(plain_steps=m.plain_steps, lookup_rounds=m.lookup_rounds, pair_rounds=m.pair_rounds,
+                    accepted=m.accepted, drafted=m.drafted)
+    return counts, sums
+
+
 @pytest.mark.parametrize("script", [(("plain", 0), ("draft", 2), ("draft", 3)),
                                     (("draft", 1), ("plain", 0), ("draft", 3)),
                                     (("lookup", 3), ("lookup", 2), ("plain", 0))])
@@ -250,15 +264,8 @@ def test_sampling_stays_exact_when_rounds_mix_plain_steps_lookup_and_draft_lengt
         prompt = PROMPT + [e.token for e in gen.tokens(PROMPT, max_new_tokens=40, method="plain")]
     want = exact_of(tree_of(tiny_pair[0], prompt)) if wants_lookup else exact
     monkeypatch.setattr(gen, "_policy", lambda: Scripted(script))
-    counts, plain, looked, accepted, proposed = Counter(), 0, 0, 0, 0
-    for seed in range(N // 2):
-        sp = SamplingParams(**PARAMS, seed=seed)
-        toks = [e.token for e in gen.tokens(prompt, max_new_tokens=NEW, sampling=sp, ngram=1)]
-        counts[tuple(toks[:DEPTH])] += 1
-        plain += gen.last_metrics.plain_steps
-        looked += gen.last_metrics.lookup_rounds
-        accepted += gen.last_metrics.accepted
-        proposed += gen.last_metrics.drafted
+    counts, m = _scripted_runs(gen, prompt)
+    plain, looked, accepted, proposed = m["plain_steps"], m["lookup_rounds"], m["accepted"], m["drafted"]
     assert plain >= N // 4 and (looked >= N // 4 if wants_lookup else looked == 0), (plain, looked)
     if wants_lookup:   # the check means something only if lookup guesses are both accepted and rejected
         assert 0.1 < accepted / proposed < 0.9, (accepted, proposed)
@@ -276,14 +283,8 @@ def test_sampling_stays_exact_with_pair_rounds(gen, tiny_pair, monkeypatch):
     monkeypatch.setitem(gen.target.graphs, "decode", gen.target.graphs["verify"])
     monkeypatch.setattr(gen, "pair", True)
     monkeypatch.setattr(gen, "_policy", lambda: Scripted([("pair", 1), ("pair", 1), ("draft", 2)]))
-    counts, paired, accepted, proposed = Counter(), 0, 0, 0
-    for seed in range(N // 2):
-        sp = SamplingParams(**PARAMS, seed=seed)
-        toks = [e.token for e in gen.tokens(prompt, max_new_tokens=NEW, sampling=sp, ngram=1)]
-        counts[tuple(toks[:DEPTH])] += 1
-        paired += gen.last_metrics.pair_rounds
-        accepted += gen.last_metrics.accepted
-        proposed += gen.last_metrics.drafted
+    counts, m = _scripted_runs(gen, prompt)
+    paired, accepted, proposed = m["pair_rounds"], m["accepted"], m["drafted"]
     assert paired >= N // 6, paired                  # pair rounds ran (in rounds where a 1-gram guess exists)
     assert 0.1 < accepted / proposed < 0.9, (accepted, proposed)
     fit = fit_of(want, counts)
