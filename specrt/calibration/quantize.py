@@ -93,11 +93,10 @@ def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
 
 
 def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple[str, ...], spec: QuantSpec,
-                    wrap: dict | None = None, prepare: dict | None = None) -> dict:
+                    prepare: dict | None = None) -> dict:
     """Quantize `graphs` of an exported model into out_dir (graph files + one weights.bin).
     prepare: graph -> function applied to its fp32 ModelProto (weights loaded) before
-    quantizing (see vocab.py). wrap: graph -> function applied to its quantized ModelProto
-    before packing (see rows.py).
+    quantizing (see vocab.py).
     Returns the manifest fragment: graphs, weights index, dims, quantization."""
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = int(export["dims"]["vocab"])
@@ -110,8 +109,6 @@ def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple
                 src = _prepared(src, prepare[g], Path(tmp) / f"{g}.fp32.onnx")
             quantize_graph(src, dst, spec, vocab)
             protos[g] = onnx.load(str(dst))
-            if wrap and g in wrap:
-                protos[g] = wrap[g](protos[g])
     entries, winfo = wpack.save_graphs(protos, out_dir, {g: export["graphs"][g]["tokens"] for g in protos})
     return {"graphs": entries, "weights": winfo, "dims": export["dims"], "quantization": spec.describe()}
 

@@ -284,11 +284,6 @@ def check_engine_compat(fields: dict, here: dict) -> list[str]:
         raise EngineCompatError(str(e)) from None
 
 
-def _cc(s: str) -> tuple[int, int]:
-    major, minor = str(s).split(".")
-    return int(major), int(minor)
-
-
 # --- the whole build ----------------------------------------------------------------------
 
 def build_engines(onnx_dir: Path, out_dir: Path | None = None, settings: BuilderSettings = BuilderSettings(),
