@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from specrt.errors import BackendError
 from specrt.runtime.backends.device import Device, Step
 from specrt.runtime.backends.gpu_errors import CaptureError
 
@@ -130,6 +131,28 @@ class DeviceRunner:
 
     def __exit__(self, *exc) -> None:
         self.deactivate()
+
+    def _shape(self, graph: str):
+        """The per-graph buffers: .tokens, .ids/.ids_host, .past_len/.past_len_host, .logits/.logits_host."""
+        raise NotImplementedError
+
+    def step(self, graph: str, tokens, start: int):
+        """ModelRunner.step: stage the tokens and start in place (a captured graph reads those
+        addresses), run or replay the graph, read the logits rows back into the host buffer."""
+        if not self.active:
+            raise BackendError(f"the {self.entry.role} model is deactivated: call activate() (or use it in a `with`)")
+        r = self._shape(graph)
+        n = len(tokens)
+        assert 0 < n <= r.tokens and start + r.tokens <= self.cache.capacity, (graph, n, start)
+        ids = r.ids_host.array
+        ids[0, :n] = tokens
+        ids[0, n:] = 0   # padding rows: computed, written past the length, never read
+        r.past_len_host.array[0] = start
+        self.device.write(r.ids, r.ids_host)            # in place: the captured graph reads this address
+        self.device.write(r.past_len, r.past_len_host)
+        self.lifecycle.run(graph)
+        self.device.read(r.logits, r.logits_host)
+        return r.logits_host.array[0, :n]
 
     def argmax_step(self, graph: str, tokens, start: int, out) -> None:
         import numpy as np

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 
 from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
@@ -185,21 +184,8 @@ class OrtCudaModel(DeviceRunner):
         return session
 
     # --- ModelRunner ------------------------------------------------------------------------
-    def step(self, graph: str, tokens, start: int) -> np.ndarray:
-        if not self.active:
-            raise BackendError(f"the {self.entry.role} model is deactivated: call activate() (or use it in a `with`)")
-        r = self.graphs[graph]
-        n = len(tokens)
-        assert 0 < n <= r.tokens and start + r.tokens <= self.cache.capacity, (graph, n, start)
-        ids = r.ids_host.array
-        ids[0, :n] = tokens
-        ids[0, n:] = 0   # padding rows: computed, written past the length, never read
-        r.past_len_host.array[0] = start
-        self.device.write(r.ids, r.ids_host)            # in place: the captured graph reads this address
-        self.device.write(r.past_len, r.past_len_host)
-        self.lifecycle.run(graph)
-        self.device.read(r.logits, r.logits_host)
-        return r.logits_host.array[0, :n]
+    def _shape(self, graph: str):
+        return self.graphs[graph]
 
     def end_profiling(self) -> dict[str, str]:
         return {g: r.session.end_profiling() for g, r in self.graphs.items()}

@@ -23,7 +23,6 @@ import logging
 import platform
 from pathlib import Path
 
-import numpy as np
 
 from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
 from specrt.manifest import ModelEntry, Shapes
@@ -229,21 +228,8 @@ class TrtModel(DeviceRunner):
             self.cache = None
         self.active = False
 
-    def step(self, graph: str, tokens, start: int) -> np.ndarray:
-        if not self.active:
-            raise BackendError(f"the {self.entry.role} model is deactivated: call activate() (or use it in a `with`)")
-        e = self.engines[graph]
-        n = len(tokens)
-        assert 0 < n <= e.tokens and start + e.tokens <= self.cache.capacity, (graph, n, start)
-        ids = e.ids_host.array
-        ids[0, :n] = tokens
-        ids[0, n:] = 0   # padding rows: computed, written past the length, never read
-        e.past_len_host.array[0] = start
-        self.device.write(e.ids, e.ids_host)
-        self.device.write(e.past_len, e.past_len_host)
-        self.lifecycle.run(graph)
-        self.device.read(e.logits, e.logits_host)
-        return e.logits_host.array[0, :n]
+    def _shape(self, graph: str):
+        return self.engines[graph]
 
     def end_profiling(self) -> dict[str, str]:
         return {}
