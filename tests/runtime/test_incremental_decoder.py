@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specrt.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from tokenizer_fixtures import make_byte_fallback_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +57,7 @@ def test_each_push_decodes_a_bounded_window_not_the_whole_history(real_tokenizer
 
 @pytest.fixture(scope="module")
 def byte_fallback_tokenizer(tmp_path_factory) -> Tokenizer:
-    """Llama 2 / Mistral / Gemma layout: SentencePiece-style "▁" spaces, unknown characters as
-    <0xNN> byte tokens, a decoder that strips the first leading space."""
-    import string
-
-    from tokenizers import AddedToken, decoders, models, normalizers
-    from tokenizers import Tokenizer as Raw
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    for ch in ["▁", *string.ascii_letters, *string.digits, *string.punctuation, "▁t", "he", "▁the"]:
-        vocab.setdefault(ch, len(vocab))
-    raw = Raw(models.BPE(vocab=vocab, merges=[("▁", "t"), ("h", "e"), ("▁t", "he")], unk_token="<unk>",
-                         byte_fallback=True, fuse_unk=True))
-    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
-    d = tmp_path_factory.mktemp("bytefallback")
-    raw.save(str(d / "tokenizer.json"))
-    return Tokenizer(d, {"file": "tokenizer.json"})
+    return Tokenizer(make_byte_fallback_tokenizer(tmp_path_factory.mktemp("bytefallback")), {"file": "tokenizer.json"})
 
 
 @pytest.mark.parametrize("text", ["the theme then", "  two leading spaces", "Ça coûte 5 € — 日本語 🙂🚀",
