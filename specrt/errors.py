@@ -59,3 +59,7 @@ class BuildOutputError(ConfigError):
 
 class BackendError(SpecrtError, RuntimeError):
     """The inference backend rejected an intact artifact (version, memory, unsupported op)."""
+
+
+class ChatTemplateError(ManifestError):
+    """The manifest's chat template does not compile (a template problem, not a damaged file)."""

@@ -217,7 +217,7 @@ class SpeculativeGenerator:
             raise PromptError(f"system must be a string, got {type(system).__name__}")
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            return self.tokenizer.encode_chat(messages)   # control tokens typed in the text stay text
         return self.tokenizer.encode(prompt)
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
