@@ -21,8 +21,9 @@ their next request when their previous one ends:
 
 Each system lives in its own long-lived process (a server, or a worker in its own venv); start,
 restart and warm-up are not measured. Systems run one after another, in an order rotated at
-each level, so drift on a shared machine hits them alike. Before the sweep every system serves
-each distinct prompt alone (1 client): its "alone" answers.
+each level, so drift on a shared machine hits them alike. A system's "alone" answers are its
+answers at 1 client (the first copy of each prompt; the second copy is then compared with it);
+without level 1 in --clients, every system first serves each distinct prompt alone.
 
     agg tok/s   all requests' output tokens / wall time from the first submission to the last token
     TTFT        first streamed chunk (token) - submission (a static batch's requests are submitted
@@ -141,7 +142,7 @@ def rotate(xs: list, k: int) -> list:
 
 def sweep(a) -> dict:
     systems = pick(a.systems, bool(a.specrt_serve_args_alt))
-    levels = [int(c) for c in a.clients.split(",")]
+    levels = sorted({int(c) for c in a.clients.split(",")})    # 1 first: its answers are the "alone" ones
     distinct, eos, prompt_ids = requests(a)
     reqs = distinct * a.repeat                      # 24 requests: the prompts, then the prompts again
     log_dir = Path(a.log_dir)
@@ -164,21 +165,23 @@ def sweep(a) -> dict:
             report["systems"][s.name]["start_s"] = round(time.perf_counter() - t0, 1)
             if hasattr(runners[s.name], "worker"):
                 report["systems"][s.name]["info"] = runners[s.name].worker.info
-        for s in rotate(systems, 0):                # each distinct prompt alone: the reference answers
-            r = runners[s.name]
-            r.prepare(1)
-            recs, _ = r.run(distinct, 1, a.max_new_tokens, eos)
-            report["alone"][s.name] = [x["answer"] for x in recs]
-            print(f"alone: {s.name} done", flush=True)
+        if 1 not in levels:                         # each distinct prompt alone: the reference answers
+            for s in systems:
+                runners[s.name].prepare(1)
+                recs, _ = runners[s.name].run(distinct, 1, a.max_new_tokens, eos)
+                report["alone"][s.name] = [x["answer"] for x in recs]
+                print(f"alone: {s.name} done", flush=True)
         for li, n in enumerate(levels):
             rows = []
-            for s in rotate(systems, li + 1):
+            for s in rotate(systems, li):
                 if s.only_clients not in (None, n):
                     continue
                 r = runners[s.name]
                 r.prepare(n)
                 load = os.getloadavg()[0]
                 recs, extra = r.run(reqs, n, a.max_new_tokens, eos)
+                if n == 1:                          # 1 client: each request alone; the first copy is the reference
+                    report["alone"][s.name] = [x["answer"] for x in recs[:len(distinct)]]
                 alone = report["alone"][s.name]
                 st = level_stats(recs, [alone[i % len(distinct)] for i in range(len(reqs))])
                 st |= {"system": s.name, "label": s.label, "loadavg": load, **extra}
@@ -186,7 +189,7 @@ def sweep(a) -> dict:
                 rows.append(st)
                 print(f"  {n} clients: {s.name} {st['agg_tok_s']:.1f} tok/s, = alone {st['equal_alone']}/"
                       f"{st['requests']}", flush=True)
-            print_level(n, rows, sorted(SYSTEMS, key=list(SYSTEMS).index))
+            print_level(n, rows, list(SYSTEMS))
     finally:
         for r in runners.values():
             r.close()

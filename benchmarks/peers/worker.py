@@ -95,7 +95,7 @@ class Genai:
 
     def batch(self, requests, batch, n, eos):
         """Static batches, what onnxruntime-genai's users do: the requests in order, `batch` at a
-        time, each batch a Generator over [B, T] ids left-padded with pad_token_id (as
+        time, each batch a Generator over [B, T] ids right-padded with pad_token_id (as
         Tokenizer.encode_batch pads); a batch ends when its longest member ends, then the next
         one starts. Times from the start of the call; steps = (rows, seconds) per forward pass."""
         import numpy as np
@@ -106,7 +106,7 @@ class Genai:
             width = max(map(len, rows))
             ids = np.full((len(rows), width), self.pad, dtype=np.int32)   # [B, T]
             for r, p in enumerate(rows):
-                ids[r, width - len(p):] = p
+                ids[r, :len(p)] = p
             t_submit = time.perf_counter() - t0
             params = self.og.GeneratorParams(self.model)
             params.set_search_options(do_sample=False, max_length=width + n, batch_size=len(rows))
