@@ -94,6 +94,8 @@ class SpecrtServer(_Server):
 
     def run(self, prompts, clients, n, eos):
         recs, extra = super().run(prompts, clients, n, eos)
+        for r in recs:          # its usage leaves out the EOS it generated; the in-process systems count it
+            r["n_tokens"] += r["finish_reason"] == "stop"
         extra["health"] = httpx.get(self.server.url + "/health", timeout=30).json()
         return recs, extra
 

@@ -4,7 +4,7 @@ free loopback port, and drive it with N streaming clients.
 Every request is a streamed `/v1/completions` call with the prompt as token ids, greedy
 (temperature 0), `max_tokens` = the budget; the server stops at an EOS. A record per request:
 
-    {"index": i, "t_submit": s, "t_chunks": [s, ...], "n_tokens": n, "text": "..."}
+    {"index": i, "t_submit": s, "t_chunks": [s, ...], "n_tokens": n, "text": "...", "finish_reason": "stop"}
 
 times in seconds from the start of the run; one t_chunks entry per streamed chunk that carried
 text (a chunk may hold several tokens: speculation releases them in bursts); n_tokens is the
@@ -74,7 +74,8 @@ class ServerProcess:
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict, index: int, t0: float, timeout: float) -> dict:
-    rec = {"index": index, "t_submit": time.perf_counter() - t0, "t_chunks": [], "n_tokens": None, "text": ""}
+    rec = {"index": index, "t_submit": time.perf_counter() - t0, "t_chunks": [], "n_tokens": None, "text": "",
+           "finish_reason": None}
     parts = []
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as resp:
         if resp.status_code != 200:
@@ -88,6 +89,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, index: int, t0: 
             if ev.get("usage"):
                 rec["n_tokens"] = ev["usage"]["completion_tokens"]
             for c in ev.get("choices") or ():
+                rec["finish_reason"] = c.get("finish_reason") or rec["finish_reason"]
                 if c.get("text"):
                     rec["t_chunks"].append(time.perf_counter() - t0)
                     parts.append(c["text"])
