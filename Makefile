@@ -121,10 +121,16 @@ $(OPENVINO_VENV)/.installed: benchmarks/peers/requirements-openvino.txt
 
 # llama.cpp's server, built once from the llama.cpp sources vendored in the llama-cpp-python
 # sdist pinned in benchmarks/peers/requirements.txt (a static binary; no web UI, nothing
-# downloaded at build time; ~10-20 min on 2 cores)
+# downloaded at build time; ~10-20 min on 2 idle cores, 90 on loaded ones). Not -march=native:
+# on this AMX CPU ggml's AMX path for Q4_1 dies with SIGILL in an OpenMP thread (`tilezero`
+# in tinygemm_kernel_amx, llama.cpp 0.5.0-dev vendored in llama-cpp-python 0.3.36), so the
+# AVX-512 sets are named and AMX left off (LLAMA_CPU_FLAGS to change them).
 LLAMA_CPP_VERSION := $(shell sed -n 's/^llama-cpp-python==\([0-9.]*\).*/\1/p' benchmarks/peers/requirements.txt)
 LLAMA_SRC := .cache/peers/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
 LLAMA_SERVER := .cache/peers/llama-server
+LLAMA_CPU_FLAGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 .PHONY: llama-server
 llama-server: $(LLAMA_SERVER)
 $(LLAMA_SERVER): benchmarks/peers/requirements.txt | venv
@@ -133,7 +139,7 @@ $(LLAMA_SERVER): benchmarks/peers/requirements.txt | venv
 		-d .cache/peers/src && tar xzf $(LLAMA_SRC).tar.gz -C .cache/peers/src; }
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B .cache/peers/llama-build -DCMAKE_BUILD_TYPE=Release \
 		-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CPU_FLAGS)
 	cmake --build .cache/peers/llama-build --target llama-server -j 2
 	cp .cache/peers/llama-build/bin/llama-server $@
 
