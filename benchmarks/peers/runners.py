@@ -115,7 +115,7 @@ class LlamaServer(_Server):
         return [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(clients), "-c", str(clients * self.slot_context), "--cont-batching",
                 "-t", str(self.threads), "-tb", str(self.threads), "--no-cache-prompt", "--cache-ram", "0",
-                "--no-webui", "--log-disable"]
+                "--no-webui"]
 
 
 class GenaiBatches:

@@ -104,7 +104,10 @@ async def _drive(url: str, bodies: list[dict], clients: int, timeout: float) -> 
     queue = list(enumerate(bodies))
     out: list[dict] = []
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 2)) as client:
+    # a connection per request: llama-server (cpp-httplib) closes a kept-alive connection after a
+    # few requests, and a client reusing it then sees "Server disconnected"
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits) as client:
         async def client_loop():
             while queue:
                 i, body = queue.pop(0)
