@@ -93,7 +93,7 @@ $(VENV)/.mutation: pyproject.toml | $(VENV)/.installed
 PEERS_VENV := .venv-peers
 PEERS_ARGS ?=
 PEER_ENGINES := $(foreach e,$(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4,$(if $(wildcard $(e)/manifest.json),,$(e)/manifest.json))
-.PHONY: venv-peers bench-peers
+.PHONY: venv-peers venv-openvino bench-peers bench-concurrency
 venv-peers: $(PEERS_VENV)/.installed
 $(PEERS_VENV)/.installed: benchmarks/peers/requirements.txt
 	$(PY) -m venv $(PEERS_VENV)
@@ -102,6 +102,52 @@ $(PEERS_VENV)/.installed: benchmarks/peers/requirements.txt
 	$(PEERS_VENV)/bin/pip install -q -r benchmarks/peers/requirements.txt
 	touch $@
 bench-peers: $(PEERS_VENV)/.installed $(GGUF) $(PEER_ENGINES) | venv
-	$(PEERS_VENV)/bin/python benchmarks/peers.py build
-	$(BIN)/python benchmarks/peers.py run $(PEERS_ARGS)
-	$(BIN)/python benchmarks/peers.py quality
+	$(PEERS_VENV)/bin/python benchmarks/run_peers.py build
+	$(BIN)/python benchmarks/run_peers.py run $(PEERS_ARGS)
+	$(BIN)/python benchmarks/run_peers.py quality
+
+# OpenVINO GenAI gets a venv of its own: optimum-intel's pins (transformers < 5.6) fight
+# .venv-peers' (transformers 5.24 for onnxruntime-genai's builder). The CUDA torchvision that
+# optimum-intel pulls in breaks transformers' imports next to CPU torch: removed.
+OPENVINO_VENV := .venv-openvino
+venv-openvino: $(OPENVINO_VENV)/.installed
+$(OPENVINO_VENV)/.installed: benchmarks/peers/requirements-openvino.txt
+	$(PY) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install -q --upgrade pip
+	$(OPENVINO_VENV)/bin/pip install -q torch==2.13.0
+	$(OPENVINO_VENV)/bin/pip install -q -r benchmarks/peers/requirements-openvino.txt
+	$(OPENVINO_VENV)/bin/pip uninstall -q -y torchvision
+	touch $@
+
+# llama.cpp's server, built once from the llama.cpp sources vendored in the llama-cpp-python
+# sdist pinned in benchmarks/peers/requirements.txt (a static binary; no web UI, nothing
+# downloaded at build time; ~10-20 min on 2 idle cores, 90 on loaded ones). Not -march=native:
+# on this AMX CPU ggml's AMX path for Q4_1 dies with SIGILL in an OpenMP thread (`tilezero`
+# in tinygemm_kernel_amx, llama.cpp 0.5.0-dev vendored in llama-cpp-python 0.3.36), so the
+# AVX-512 sets are named and AMX left off (LLAMA_CPU_FLAGS to change them).
+LLAMA_CPP_VERSION := $(shell sed -n 's/^llama-cpp-python==\([0-9.]*\).*/\1/p' benchmarks/peers/requirements.txt)
+LLAMA_SRC := .cache/peers/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
+LLAMA_SERVER := .cache/peers/llama-server
+LLAMA_CPU_FLAGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+.PHONY: llama-server
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): benchmarks/peers/requirements.txt | venv
+	mkdir -p .cache/peers/src
+	test -d $(LLAMA_SRC) || { $(BIN)/pip download -q --no-binary :all: --no-deps llama-cpp-python==$(LLAMA_CPP_VERSION) \
+		-d .cache/peers/src && tar xzf $(LLAMA_SRC).tar.gz -C .cache/peers/src; }
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B .cache/peers/llama-build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CPU_FLAGS)
+	cmake --build .cache/peers/llama-build --target llama-server -j 2
+	cp .cache/peers/llama-build/bin/llama-server $@
+
+# many requests at once (issue 15), not part of `make test`: specrt's server against
+# onnxruntime-genai's static batches, llama-server -np N and OpenVINO GenAI's continuous
+# batching at 1-16 clients. CONCURRENCY_ARGS e.g. '--clients 1,8 --prompts 4 --systems specrt-int4,genai-int4'
+# or "--specrt-serve-args '--max-num-seqs {clients}'"
+CONCURRENCY_ARGS ?=
+bench-concurrency: $(PEERS_VENV)/.installed $(OPENVINO_VENV)/.installed $(LLAMA_SERVER) $(GGUF) $(PEER_ENGINES) | venv
+	$(PEERS_VENV)/bin/python benchmarks/peers/build.py
+	$(BIN)/python benchmarks/concurrency.py $(CONCURRENCY_ARGS)

@@ -8,6 +8,9 @@
                    symmetric, accuracy_level 4 = int8 activations); graph_stats.json beside it
     genai-fp32/    the same builder, -p fp32
     llama-f32.gguf the GGUF dequantized to F32 with the gguf package (the Q4_1 peer is the GGUF itself)
+    openvino-int4/ `optimum-cli export openvino --task text-generation-with-past --weight-format int4
+                   --group-size-fallback adjust` of hf/, run in .venv-openvino (skipped, saying so,
+                   when that venv is missing: `make venv-openvino`)
 
 Each step is skipped when its output exists; delete the folder to rebuild it.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 import time
@@ -112,12 +116,25 @@ def llama_f32(gguf_path: Path, out: Path) -> None:
     tmp.rename(out)
 
 
+def openvino(hf: Path, out: Path, python: Path) -> None:
+    """optimum-intel's exporter (asymmetric int4, group 128, 64 where a dimension is not divisible by
+    128; its tokenizer converted to OpenVINO IR beside it). Offline: nothing comes from a hub."""
+    tmp = out.with_name(out.name + ".tmp")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run([str(python.with_name("optimum-cli")), "export", "openvino", "-m", str(hf), "--task",
+                    "text-generation-with-past", "--weight-format", "int4", "--group-size-fallback", "adjust",
+                    str(tmp)], check=True, env=env)
+    tmp.rename(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=GGUF)
     ap.add_argument("--out", type=Path, default=ROOT / ".cache/peers")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads written into genai_config.json")
     ap.add_argument("--no-f32-gguf", action="store_true", help="skip llama.cpp's F32 GGUF")
+    ap.add_argument("--openvino-python", type=Path, default=ROOT / ".venv-openvino/bin/python",
+                    help="the venv with optimum-intel (make venv-openvino)")
     a = ap.parse_args(argv)
     if not a.gguf.exists():
         sys.exit(f"{a.gguf} does not exist: run `make model` first")
@@ -129,6 +146,10 @@ def main(argv=None) -> int:
     _step("onnxruntime-genai fp32", out / "genai-fp32", lambda: genai(out / "hf", out / "genai-fp32", "fp32", cache, a.threads))
     if not a.no_f32_gguf:
         _step("llama.cpp F32 GGUF", out / "llama-f32.gguf", lambda: llama_f32(a.gguf, out / "llama-f32.gguf"))
+    if a.openvino_python.exists():
+        _step("OpenVINO int4", out / "openvino-int4", lambda: openvino(out / "hf", out / "openvino-int4", a.openvino_python))
+    else:
+        print(f"[build] OpenVINO int4: skipped, {a.openvino_python} does not exist (make venv-openvino)", flush=True)
     stats = json.loads((out / "genai-int4" / "graph_stats.json").read_text())
     print(f"[build] genai-int4 model.onnx: {stats['nodes']} nodes: "
           + ", ".join(f"{k} {v}" for k, v in stats["op_types"].items()))

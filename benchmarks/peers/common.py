@@ -1,4 +1,4 @@
-"""What `benchmarks/peers.py` shares between `run` and `quality`: the systems (declared, not
+"""What `benchmarks/run_peers.py` shares between `run` and `quality`: the systems (declared, not
 branched on), the worker processes that serve them, and the prompts every system is given."""
 from __future__ import annotations
 

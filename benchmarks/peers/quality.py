@@ -1,4 +1,4 @@
-"""`benchmarks/peers.py quality`: how faithful each system is to the fp32 target, on
+"""`benchmarks/run_peers.py quality`: how faithful each system is to the fp32 target, on
 `specrt quality`'s measures and prompts, with onnxruntime-genai's models as extra rows.
 
 Per held-out prompt (chat template), specrt's fp32 target decodes greedily for N tokens

@@ -4,11 +4,18 @@ requests a line at a time on stdin (one JSON reply a line on stdout).
     python worker.py specrt ENGINE_DIR THREADS     (specrt's venv; methods plain/speculative/lookup)
     python worker.py genai  MODEL_DIR  THREADS     (.venv-peers; onnxruntime-genai)
     python worker.py llama  FILE.gguf  THREADS     (.venv-peers; llama-cpp-python)
+    python worker.py openvino MODEL_DIR THREADS    (.venv-openvino; OpenVINO GenAI, openvino_peer.py)
 
 requests
     {"op": "generate", "ids": [...], "n": 128, "eos": [...], "method": "plain"}
         -> {"tokens": [...], "t_first": s, "t_total": s}   greedy; stops after an EOS or n tokens;
            t_first = time to the first token (prefill and the first choice), t_total = all of it
+           (specrt also: "t_tokens", the time of each token)
+    {"op": "batch", "requests": [[ids], ...], "batch": B, "n": 128, "eos": [...]}   (genai only)
+        -> {"records": [{"index", "t_submit", "tokens", "t_tokens"}, ...], "steps": [[rows, s], ...]}
+           static batches of B in order (benchmarks/concurrency.py)
+    {"op": "serve", "requests": [[ids], ...], "clients": N, "n": 128, "eos": [...]}   (openvino only)
+        -> the same, continuous batching with N requests in flight (openvino_peer.py)
     {"op": "encode", "texts": [...]}   (specrt only) -> {"ids": [[...], ...], "eos": [...]}
     {"op": "logits", "ids": [...], "tokens": [...], "out": "rows.npy"}   (genai only)
         -> {"rows": [len(tokens), V]}   teacher-forced: the prompt, then one token at a time,
@@ -20,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 
 class Specrt:
@@ -37,13 +45,12 @@ class Specrt:
                 "eos": sorted(self.gen.tokenizer.eos_token_ids)}
 
     def generate(self, ids, n, eos, method="plain"):
-        toks, t_first = [], None
+        toks, times = [], []
         t0 = time.perf_counter()
         stream = self.gen.tokens(ids, max_new_tokens=n, method=method)
         try:
             for e in stream:
-                if t_first is None:
-                    t_first = time.perf_counter() - t0
+                times.append(time.perf_counter() - t0)
                 toks.append(e.token)
                 if e.token in eos:
                     break
@@ -51,7 +58,7 @@ class Specrt:
             stream.close()
         t_total = time.perf_counter() - t0
         m = self.gen.last_metrics
-        return {"tokens": toks, "t_first": t_first, "t_total": t_total,
+        return {"tokens": toks, "t_first": times[0] if times else None, "t_total": t_total, "t_tokens": times,
                 "mean_acceptance_length": m.mean_acceptance_length if method != "plain" else None}
 
 
@@ -64,7 +71,8 @@ class Genai:
         config = og.Config(path)
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
-        self.info = {"onnxruntime_genai": og.__version__}
+        self.pad = json.loads((Path(path) / "genai_config.json").read_text())["model"]["pad_token_id"]
+        self.info = {"onnxruntime_genai": og.__version__, "pad_token_id": self.pad}
 
     def _generator(self, length: int):
         params = self.og.GeneratorParams(self.model)
@@ -84,6 +92,41 @@ class Genai:
             if toks[-1] in eos:
                 break
         return {"tokens": toks, "t_first": t_first, "t_total": time.perf_counter() - t0}
+
+    def batch(self, requests, batch, n, eos):
+        """Static batches, what onnxruntime-genai's users do: the requests in order, `batch` at a
+        time, each batch a Generator over [B, T] ids right-padded with pad_token_id (as
+        Tokenizer.encode_batch pads); a batch ends when its longest member ends, then the next
+        one starts. Times from the start of the call; steps = (rows, seconds) per forward pass."""
+        import numpy as np
+        recs, steps = [], []
+        t0 = time.perf_counter()
+        for start in range(0, len(requests), batch):
+            rows = requests[start:start + batch]
+            width = max(map(len, rows))
+            ids = np.full((len(rows), width), self.pad, dtype=np.int32)   # [B, T]
+            for r, p in enumerate(rows):
+                ids[r, :len(p)] = p
+            t_submit = time.perf_counter() - t0
+            params = self.og.GeneratorParams(self.model)
+            params.set_search_options(do_sample=False, max_length=width + n, batch_size=len(rows))
+            g = self.og.Generator(self.model, params)
+            g.append_tokens(ids)                  # the prompts' forward pass
+            out = [{"index": start + r, "t_submit": t_submit, "tokens": [], "t_tokens": []} for r in range(len(rows))]
+            live = set(range(len(rows)))
+            while live and not g.is_done():
+                t_step = time.perf_counter()
+                g.generate_next_token()
+                nxt = g.get_next_tokens()         # [B]
+                now = time.perf_counter()
+                steps.append((len(rows), now - t_step))
+                for r in sorted(live):
+                    out[r]["tokens"].append(int(nxt[r]))
+                    out[r]["t_tokens"].append(now - t0)
+                    if int(nxt[r]) in eos or len(out[r]["tokens"]) >= n:
+                        live.discard(r)
+            recs.extend(out)
+        return {"records": recs, "steps": steps}
 
     def logits(self, ids, tokens, out):
         import numpy as np
@@ -121,7 +164,12 @@ class Llama:
         return {"tokens": toks, "t_first": t_first, "t_total": time.perf_counter() - t0}
 
 
-KINDS = {"specrt": Specrt, "genai": Genai, "llama": Llama}
+def _openvino(path: str, threads: int):
+    from openvino_peer import OpenVINO          # .venv-openvino only
+    return OpenVINO(path, threads)
+
+
+KINDS = {"specrt": Specrt, "genai": Genai, "llama": Llama, "openvino": _openvino}
 
 
 def main() -> int:
@@ -144,6 +192,10 @@ def main() -> int:
                 reply = system.encode(req["texts"])
             elif req["op"] == "logits":
                 reply = system.logits(req["ids"], req["tokens"], req["out"])
+            elif req["op"] == "batch":
+                reply = system.batch(req["requests"], req["batch"], req["n"], set(req["eos"]))
+            elif req["op"] == "serve":
+                reply = system.serve(req["requests"], req["clients"], req["n"], set(req["eos"]))
             else:
                 reply = {"error": f"unknown op {req['op']!r}"}
         except Exception as e:                   # reported to the orchestrator, which stops

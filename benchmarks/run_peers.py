@@ -2,10 +2,10 @@
 same model (SmolLM2-135M-Instruct, from the same GGUF), the same token ids, greedy, 2 threads.
 
     make bench-peers                                     # venv, peer models, run, quality
-    .venv/bin/python benchmarks/peers.py run [--prompts 12 --max-new-tokens 128 --systems a,b --threads 2 --json F]
-    .venv/bin/python benchmarks/peers.py quality [--prompts 16 --new-tokens 32 --json F]
-    .venv/bin/python benchmarks/peers.py build           # = .venv-peers/bin/python benchmarks/peers/build.py
-    .venv/bin/python benchmarks/peers.py list            # the systems' names
+    .venv/bin/python benchmarks/run_peers.py run [--prompts 12 --max-new-tokens 128 --systems a,b --threads 2 --json F]
+    .venv/bin/python benchmarks/run_peers.py quality [--prompts 16 --new-tokens 32 --json F]
+    .venv/bin/python benchmarks/run_peers.py build           # = .venv-peers/bin/python benchmarks/peers/build.py
+    .venv/bin/python benchmarks/run_peers.py list            # the systems' names
 
 run: each model is served by its own long-lived worker process (specrt's in this venv, the
 peers' in .venv-peers; load time excluded); prompts are the held-out split of
