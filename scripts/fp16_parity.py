@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv=None) -> int:
     from specrt.config import DEFAULT_MODEL
+    from specrt.driver import graph_set, greedy
     from specrt.export import onnx_export, parity, precision, sources
     from specrt.manifest import Shapes
 
@@ -48,8 +49,8 @@ def main(argv=None) -> int:
         report[f"{att} fp16 vs fp32"] = precision.compare(d32, p32, *ex[att, "fp16"], shapes, prompt=prompt,
                                                           new_tokens=args.tokens)
     # the two fp32 variants greedily, from the same prompt
-    runs = {att: precision.greedy(precision.TypedGraphSet(*ex[att, "fp32"], shapes.kv_capacity), prompt,
-                                  args.tokens, shapes.prefill_chunk)[0] for att in ("gqa", "standard")}
+    runs = {att: greedy(graph_set(*ex[att, "fp32"], shapes.kv_capacity), prompt, args.tokens).tokens
+            for att in ("gqa", "standard")}
     report["greedy fp32 standard == gqa"] = runs["gqa"] == runs["standard"]
     print(json.dumps(report, indent=1, default=str))
     return 0

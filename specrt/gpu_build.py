@@ -63,6 +63,7 @@ def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     from specrt.calibration import measure
     from specrt.engines import ort_cpu
     from specrt.export import sources
+    from specrt.runtime.tokenizer import Tokenizer
 
     shapes, kind = cfg.shapes, cfg.draft_kind
     n_draft = 2 if kind in ("truncate", "model") else 0
@@ -81,7 +82,7 @@ def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         dm = sources.load_source(cfg.draft)
         pl._check_same_tokenizer(tgt, dm)
     tok_info = pl._save_tokenizer(tgt, tmp)
-    prompts = pl._prompt_ids(tgt)
+    prompts = pl._prompt_ids(Tokenizer(tmp, tok_info), tgt.dims.vocab)
     providers = CUDA_PROVIDERS if choice["cuda_verified"] else None
     part = _fp16_model(cfg, tgt, tgt.model, tmp, "target", ("prefill", "decode", "verify"), prompts, providers, step)
     part["parity"]["identity"] = _identity(tmp / "target", part, shapes, prompts, cfg.k)

@@ -49,6 +49,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
     from specrt.calibration import int8, measure
     from specrt.engines import ort_cpu
     from specrt.export import onnx_export, parity, sources
+    from specrt.runtime.tokenizer import Tokenizer
 
     shapes, kind = cfg.shapes, cfg.draft_kind
     n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
@@ -75,9 +76,10 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
                                     progress=lambda g: step(f"target {g} exported"))
     fp32["parity"] = parity.check_parity(tgt.model, fp32_dir, fp32, shapes, rtol=tgt.spec.parity_rtol)
     tok_info = _save_tokenizer(tgt, tmp)
-    part = _quantized_target(cfg, tgt, fp32_dir, fp32, tmp / "target", _prompt_ids(tgt)) \
-        if cfg.precision != "fp32" else fp32
-    part["parity"]["identity"] = _check_identity(cfg, tmp / "target", part, _prompt_ids(tgt))
+    tok = Tokenizer(tmp, tok_info)        # the runtime's: the build's prompts are encoded as it encodes them
+    prompts = _prompt_ids(tok, tgt.dims.vocab)
+    part = _quantized_target(cfg, tgt, fp32_dir, fp32, tmp / "target", prompts) if cfg.precision != "fp32" else fp32
+    part["parity"]["identity"] = _check_identity(cfg, tmp / "target", part, prompts)
     part.update(subdir="target", family=tgt.spec.family, precision=cfg.precision,
                 source={**tgt.identity, **part.pop("derived", {}), "tokenizer_sha256": tok_info["sha256"],
                         **({"export_fusions": fp32["fusions"]} if fp32.get("fusions") else {})},
@@ -91,20 +93,20 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
         if cfg.draft_vocab is not None:   # the LM head cut to N columns before quantization
             from specrt.calibration import vocab
             bar.set_postfix_str("choosing the draft's vocabulary")
-            ids, trim = _draft_vocab(cfg, tgt, fp32_dir, fp32, tok_info)
+            ids, trim = _draft_vocab(cfg, tgt, tok, fp32_dir, fp32, tok_info)
             prepare = {"decode": lambda m: vocab.trim_lm_head(m, ids)}
             step(f"draft vocabulary: {len(ids)} ids, held-out coverage {trim['held_out_coverage']}")
         d = int8.quantize_model(fp32_dir, fp32, tmp / "draft", graphs=("decode",), method=method, prepare=prepare)
         step("draft quantized")
         # the gate compares the draft with its own source, the fp32 export (a quantized target
         # differs from it by its own quantization error, which says nothing about the draft)
-        agreement = measure.draft_agreement(fp32_dir, fp32, tmp / "draft", d, shapes, _prompt_ids(tgt),
+        agreement = measure.draft_agreement(fp32_dir, fp32, tmp / "draft", d, shapes, prompts,
                                             shared_cache=True)
         agreement["min_top1_agreement"] = MIN_INT8_AGREEMENT
         gate = agreement
         if trim:   # the gate checks the quantization: positions whose target token the draft can propose
             gate = agreement["draftable"] = vocab.draftable_agreement(fp32_dir, fp32, tmp / "draft", d, shapes,
-                                                                      _prompt_ids(tgt), ids)
+                                                                      prompts, ids)
             agreement["max_abs_logit_delta"] = gate["max_abs_logit_delta"]   # over the kept ids, not inf
         if gate["top1_agreement"] < MIN_INT8_AGREEMENT:
             from specrt.errors import ParityError
@@ -115,7 +117,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
         d["parity"] = {"agreement_with_target": agreement}
         if cfg.precision != "fp32":   # what acceptance follows: agreement with the quantized target itself
             d["parity"] = {"agreement_with_fp32_target": agreement, "agreement_with_target": measure.draft_agreement(
-                tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=True)}
+                tmp / "target", part, tmp / "draft", d, shapes, prompts, shared_cache=True)}
         how = d.pop("quantization")
         if trim:
             how["draft_vocab"] = trim
@@ -140,7 +142,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
                                      attention=cfg.attention, progress=lambda g: step(f"draft {g} exported"))
         d["parity"] = parity.check_parity(reference, tmp / "draft", d, shapes, rtol=dm.spec.parity_rtol)
         d["parity"]["agreement_with_target"] = measure.draft_agreement(
-            tmp / "target", part, tmp / "draft", d, shapes, _prompt_ids(tgt), shared_cache=False)
+            tmp / "target", part, tmp / "draft", d, shapes, prompts, shared_cache=False)
         d.update(subdir="draft", family=dm.spec.family, precision="fp32",
                  source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
                  kv=_kv(cfg, None))
@@ -149,7 +151,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
     if cfg.ngram_tokens and part["graphs"]["decode"]["tokens"] > 1:   # pair rounds: guesses where lookup has none
         from specrt.calibration import ngrams
         bar.set_postfix_str(f"n-gram table: generating {cfg.ngram_tokens} tokens")
-        proposers["ngrams"] = ngrams.build(tgt, tmp / "target", part, shapes, tmp / "ngrams.json", cfg.ngram_tokens,
+        proposers["ngrams"] = ngrams.build(tok, tmp / "target", part, shapes, tmp / "ngrams.json", cfg.ngram_tokens,
                                            set(tok_info["eos_token_ids"]))
         step(f"n-gram table: {proposers['ngrams']['entries']} entries")
     if fp32_dir.name == "_fp32":
@@ -166,7 +168,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
     return out
 
 
-def _draft_vocab(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, tok_info: dict):
+def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_info: dict):
     """(kept ids, manifest record) for --draft-vocab N (calibration/vocab.py)."""
     from specrt.calibration import vocab
     from specrt.errors import ConfigError
@@ -175,7 +177,7 @@ def _draft_vocab(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, tok_info: di
         raise ConfigError(f"--draft-vocab {cfg.draft_vocab} keeps all {v} tokens of the model: leave it out for the "
                           f"full LM head, or give fewer than {v}")
     special = {int(i) for i in tgt.tokenizer.all_special_ids} | set(tok_info["eos_token_ids"])
-    return vocab.plan(fp32_dir, fp32, cfg.shapes, tgt.tokenizer, cfg.draft_vocab, sorted(i for i in special if i < v),
+    return vocab.plan(fp32_dir, fp32, cfg.shapes, tok, cfg.draft_vocab, sorted(i for i in special if i < v),
                       tok_info["eos_token_ids"])
 
 
@@ -319,20 +321,17 @@ def _truncated_reference(model, layers: int):
     return ref
 
 
-def _prompt_ids(lm) -> list[list[int]]:
+def _prompt_ids(tokenizer, vocab: int) -> list[list[int]]:
+    """The first specrt.prompts as the runtime encodes them (driver.encode_prompts), checked
+    against the model's vocabulary. tokenizer: the runtime's, over the saved tokenizer.json."""
+    from specrt.driver import encode_prompts
     from specrt.prompts import PROMPTS
-    tok = lm.tokenizer
-    out = []
-    for p in PROMPTS[:4]:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) \
-            if tok.chat_template else p
-        ids = tok(text, add_special_tokens=not tok.chat_template)["input_ids"]
-        bad = [int(i) for i in ids if not 0 <= int(i) < lm.dims.vocab]
-        if bad:
-            from specrt.errors import TokenizerMismatchError
-            raise TokenizerMismatchError(f"the tokenizer produced ids {bad[:3]} outside the model's vocabulary "
-                                         f"({lm.dims.vocab}): the tokenizer does not belong to this model")
-        out.append([int(i) for i in ids])
+    out = encode_prompts(tokenizer, PROMPTS[:4])
+    bad = [i for ids in out for i in ids if not 0 <= i < vocab]
+    if bad:
+        from specrt.errors import TokenizerMismatchError
+        raise TokenizerMismatchError(f"the tokenizer produced ids {bad[:3]} outside the model's vocabulary "
+                                     f"({vocab}): the tokenizer does not belong to this model")
     return out
 
 

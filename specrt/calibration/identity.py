@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt import manifest as mf
-from specrt.calibration.quality import kl_rows
-from specrt.export.parity import GraphSet
+from specrt.driver import GraphSet, greedy, kl_rows
 
 
 def _windows(first: int, total: int, width: int) -> list[tuple[int, int]]:
@@ -56,18 +55,14 @@ def decode_verify_agreement(model_dir: Path, part: dict, shapes: mf.Shapes, toke
         n = min(n_new, shapes.max_context - P - width)
         if n < 1:
             continue
-        _reset(gs)
-        last = gs.step("prefill", ids, 0)[P - 1]
-        seq, ref = [int(last.argmax())], []
-        for i in range(n):                                   # plain decoding: the reference rows
-            ref.append(gs.step("decode", seq[i:i + 1], P + i)[0].copy())
-            seq.append(int(ref[-1].argmax()))
-        ref = np.stack(ref)                                  # [n, V]
+        gs.reset()
+        plain = greedy(gs, ids, n + 1, keep_rows=True)       # plain decoding: the reference rows
+        seq, ref = plain.tokens, np.stack(plain.rows[1:])    # [n + 1], [n, V]: the decode steps' rows
         # verify windows at two phases; a two-row decode graph also replays pairs (pair rounds)
         paths = [("verify", first, width) for first in (0, 2)] + \
             [("decode", 1, pair) for pair in (graphs["decode"]["tokens"],) if pair > 1]
         for graph, first, w in paths:
-            _reset(gs)
+            gs.reset()
             gs.step("prefill", ids, 0)
             for lo, hi in _windows(first, n, w):
                 got = gs.step(graph, seq[lo:hi], P + lo)     # [hi-lo, V]
@@ -99,15 +94,11 @@ def target_agreement(reference_dir: Path, reference: dict, model_dir: Path, part
     for ids in token_lists:
         ids = ids[:C]
         P = len(ids)
-        n = min(n_new, shapes.max_context - P - 1)
-        _reset(ref_gs)
-        _reset(gs)
-        row = ref_gs.step("prefill", ids, 0)[P - 1].copy()
-        seq, ref = list(ids), [row]
-        for i in range(n):
-            seq.append(int(ref[-1].argmax()))
-            ref.append(ref_gs.step("decode", seq[-1:], P + i)[0].copy())
-        ref = np.stack(ref)                                  # [n+1, V]: positions P-1 .. P+n-1
+        n = max(0, min(n_new, shapes.max_context - P - 1))
+        ref_gs.reset()
+        gs.reset()
+        run = greedy(ref_gs, ids, n + 1, keep_rows=True)
+        seq, ref = list(ids) + run.tokens[:n], np.stack(run.rows)   # ref [n+1, V]: positions P-1 .. P+n-1
         got = [gs.step("prefill", ids, 0)[P - 1].copy()]
         for i in range(n):
             got.append(gs.step("decode", seq[P + i:P + i + 1], P + i)[0].copy())
@@ -119,8 +110,3 @@ def target_agreement(reference_dir: Path, reference: dict, model_dir: Path, part
     return {"top1_agreement": agree / total if total else 0.0, "positions": total,
             "mean_kl": kl_sum / total if total else 0.0, "max_abs_logit_delta": max_delta,
             "reference": "the fp32 export, teacher-forced on its own greedy continuations"}
-
-
-def _reset(gs: GraphSet) -> None:
-    for c in gs.cache:
-        c[...] = 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt import manifest as mf
-from specrt.export.parity import GraphSet
+from specrt.driver import GraphSet
 
 
 def draft_agreement(target_dir: Path, target: dict, draft_dir: Path, draft: dict, shapes: mf.Shapes,

@@ -15,24 +15,18 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from specrt import manifest as mf
-from specrt.export.parity import GraphSet
+from specrt.driver import GraphSet, encode_prompts, greedy
 from specrt.runtime import ngrams
 
 ORDERS = 4
 PER_PROMPT = 128
 
 
-def calibration_ids(lm, limit: int | None = None) -> list[list[int]]:
-    """The calibration part of the shipped prompts as token ids (chat template when the model has one)."""
+def calibration_ids(tokenizer, limit: int | None = None) -> list[list[int]]:
+    """The calibration part of the shipped prompts as token ids (driver.encode_prompts)."""
     from specrt.calibration.dataset import load_prompts, split
-    tok = lm.tokenizer
     cal, _ = split(load_prompts())
-    out = []
-    for p in cal[:limit]:
-        text = tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                       add_generation_prompt=True) if tok.chat_template else p.text
-        out.append([int(i) for i in tok(text, add_special_tokens=not tok.chat_template)["input_ids"]])
-    return out
+    return encode_prompts(tokenizer, [p.text for p in cal[:limit]])
 
 
 def continuations(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list[list[int]], budget: int,
@@ -40,7 +34,6 @@ def continuations(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list[
     """(prompt + greedy continuation per prompt, tokens generated): prefill chunks, then
     decode steps, until `budget` generated tokens; prompts the context cannot hold are skipped."""
     gs = GraphSet(model_dir, {g: part["graphs"][g] for g in ("prefill", "decode")}, part["dims"], shapes.kv_capacity)
-    chunk = shapes.prefill_chunk
     out, generated = [], 0
     for ids in prompts:
         if generated >= budget:
@@ -48,17 +41,9 @@ def continuations(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list[
         n = min(PER_PROMPT, budget - generated, shapes.max_context - len(ids) - 1)
         if n < 1:
             continue
-        for start in range(0, len(ids), chunk):
-            row = gs.step("prefill", ids[start:start + chunk], start)[len(ids[start:start + chunk]) - 1]
-        seq = list(ids)
-        for i in range(n):
-            tok = int(row.argmax())
-            seq.append(tok)
-            generated += 1
-            if tok in eos or i == n - 1:
-                break
-            row = gs.step("decode", [tok], len(seq) - 1)[0]
-        out.append(seq)
+        new = greedy(gs, ids, n, eos=eos).tokens
+        generated += len(new)
+        out.append(list(ids) + new)
         if progress:
             progress(generated)
     return out, generated
@@ -73,10 +58,11 @@ def table_of(sequences: list[list[int]], orders: int = ORDERS) -> dict[int, dict
     return {n: {k: min(c, key=lambda t: (-c[t], t)) for k, c in v.items()} for n, v in votes.items()}
 
 
-def build(lm, model_dir: Path, part: dict, shapes: mf.Shapes, out_file: Path, budget: int, eos: set[int],
+def build(tokenizer, model_dir: Path, part: dict, shapes: mf.Shapes, out_file: Path, budget: int, eos: set[int],
           progress=None) -> dict:
-    """Generate, tabulate, write `out_file`; returns the manifest entry (proposers.ngrams)."""
-    prompts = calibration_ids(lm)
+    """Generate, tabulate, write `out_file`; returns the manifest entry (proposers.ngrams).
+    tokenizer: the runtime's, over the build's tokenizer.json."""
+    prompts = calibration_ids(tokenizer)
     seqs, generated = continuations(model_dir, part, shapes, prompts, budget, eos, progress)
     tables = table_of(seqs)
     out_file.write_text(ngrams.to_json(tables))

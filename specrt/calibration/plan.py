@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from specrt import manifest as mf
-from specrt.export.parity import GraphSet
+from specrt.driver import GraphSet
 
 
 def step_costs(target_dir: Path, target: dict, draft_dir: Path | None, draft: dict | None, shapes: mf.Shapes, *,

@@ -47,7 +47,7 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
     from specrt.calibration.quantize import quiet_logging
     from specrt.engines import ort_cpu
     from specrt.export import weights as wpack
-    from specrt.export.parity import GraphSet
+    from specrt.driver import GraphSet
     from specrt.runtime.backends.ort_cpu import pool_threads
 
     t0 = time.time()

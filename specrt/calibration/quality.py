@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specrt.driver import kl_rows
 from specrt.errors import ConfigError, TokenizerMismatchError
 from specrt.runtime import SpeculativeGenerator
 from specrt.runtime.loop import prefill
@@ -93,15 +94,6 @@ def _greedy(gen: SpeculativeGenerator, ids: list[int], n: int, eos: set[int]) ->
     finally:
         stream.close()
     return out
-
-
-def kl_rows(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-    """KL(softmax(p) || softmax(q)) per row; p, q: [n, V] -> [n]."""
-    lp = p_logits - p_logits.max(-1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    lq = q_logits - q_logits.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
 def _step_costs(timed: list[tuple[str, SpeculativeGenerator]], position: int, tokens: list[int], rounds: int,

@@ -32,6 +32,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specrt import manifest as mf
+from specrt.driver import GraphSet, encode_prompts, greedy
 
 FILL = float("-inf")
 CALIB_PROMPTS = 24        # calibration prompts generated from (all of them are also counted as text)
@@ -110,54 +111,32 @@ def _drop_unused(g: onnx.GraphProto) -> None:
     g.initializer.extend(keep)
 
 
-def encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each prompt as the runtime feeds it (chat template when there is one)."""
-    out = []
-    for text in texts:
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        out.append([int(i) for i in tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"]])
-    return out
-
-
 def greedy_texts(model_dir: Path, export: dict, shapes: mf.Shapes, prompts: list[list[int]], eos: set[int],
                  deadline: float) -> tuple[list[list[int]], bool]:
     """The exported model's greedy continuation of each prompt (prefill + decode graphs,
     through the runtime's backend); (generations, cut short by the deadline)."""
-    from specrt.export.parity import GraphSet
     gs = GraphSet(model_dir, {g: export["graphs"][g] for g in ("prefill", "decode")}, export["dims"],
                   shapes.kv_capacity)
     new = min(NEW_TOKENS, shapes.max_context // 2)
-    chunk = shapes.prefill_chunk
     outs = []
     for ids in prompts:
         if time.monotonic() > deadline:
             return outs, True
         ids = ids[-(shapes.max_context - new):]       # the tail: the generation prompt stays
-        for s in range(0, len(ids), chunk):
-            last = gs.step("prefill", ids[s:s + chunk], s)[len(ids[s:s + chunk]) - 1]
-        gen, pos = [], len(ids)
-        while len(gen) < new:
-            tok = int(np.argmax(last))
-            gen.append(tok)
-            if tok in eos:
-                break
-            last = gs.step("decode", [tok], pos)[0]
-            pos += 1
-        outs.append(gen)
+        outs.append(greedy(gs, ids, new, eos=eos).tokens)
     return outs, False
 
 
 def plan(fp32_dir: Path, fp32: dict, shapes: mf.Shapes, tokenizer, n: int, special: Iterable[int],
          eos: Iterable[int]) -> tuple[np.ndarray, dict]:
     """The n kept ids for this model and what the manifest records about them (coverage of
-    the fp32 target's greedy generations on held-out prompts, never seen in the choice)."""
+    the fp32 target's greedy generations on held-out prompts, never seen in the choice).
+    tokenizer: the runtime's, over the build's tokenizer.json (driver.encode_prompts)."""
     from specrt.calibration import dataset
     vocab = int(fp32["dims"]["vocab"])
     calib, held = dataset.split(dataset.load_prompts())
-    calib_ids = encode(tokenizer, [p.text for p in calib])
-    eval_ids = encode(tokenizer, [p.text for p in held[:EVAL_PROMPTS]])
+    calib_ids = encode_prompts(tokenizer, [p.text for p in calib])
+    eval_ids = encode_prompts(tokenizer, [p.text for p in held[:EVAL_PROMPTS]])
     t0 = time.monotonic()
     deadline = t0 + SECONDS
     gens, cut = greedy_texts(fp32_dir, fp32, shapes, calib_ids[:CALIB_PROMPTS], set(eos), deadline)
@@ -191,7 +170,6 @@ def draftable_agreement(target_dir: Path, target: dict, draft_dir: Path, draft: 
     build's gate checks (the other positions are the coverage loss, recorded apart);
     the largest logit difference over the kept ids (elsewhere the draft's logits are -inf).
     The regime of measure.draft_agreement: the draft reads the target's cache."""
-    from specrt.export.parity import GraphSet
     kept = np.zeros(int(target["dims"]["vocab"]), bool)
     kept[ids] = True
     agree = total = positions = 0

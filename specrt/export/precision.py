@@ -20,49 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from specrt import manifest as mf
+from specrt.driver import graph_set, greedy
 from specrt.errors import ParityError
-from specrt.export.parity import GraphSet, SessionGraphSet
 
 FP16_ATOL = 1e-2
 FP16_RTOL = 2e-2
-KV_NUMPY = {"float32": np.float32, "float16": np.float16}
-
-
-def TypedGraphSet(directory: Path, part: dict, capacity: int, threads: int = 2,
-                  providers: tuple[str, ...] | None = None):
-    """The graphs of `part` on the runtime's CPU backend (KV dtype read off the graphs), or,
-    for other execution providers (scripts/gpu_check.py passes CUDAExecutionProvider on a
-    GPU machine), plain sessions with a cache of the graphs' dtype."""
-    if not providers or tuple(providers) == ("CPUExecutionProvider",):
-        return GraphSet(directory, part["graphs"], part["dims"], capacity, threads)
-    import onnxruntime as ort
-
-    from specrt.runtime.ort_backend import session_options
-    gs = SessionGraphSet(directory, part["graphs"], part["dims"], capacity, threads)
-    dtype = KV_NUMPY[part.get("kv_dtype", "float32")]
-    gs.cache = [c.astype(dtype) for c in gs.cache]
-    gs.sessions = {g: ort.InferenceSession(str(Path(directory) / e["file"]), session_options(threads),
-                                           providers=list(providers))
-                   for g, e in part["graphs"].items()}
-    return gs
-
-
-def greedy(gs: GraphSet, prompt: list[int], n: int, chunk: int) -> tuple[list[int], list[np.ndarray]]:
-    """Plain greedy decoding with the prefill graph (chunked) and the decode graph;
-    returns the n tokens and the logits row that chose each."""
-    pos = 0
-    for i in range(0, len(prompt), chunk):
-        part = prompt[i:i + chunk]
-        row = gs.step("prefill", part, pos)[len(part) - 1].copy()
-        pos += len(part)
-    tokens, rows = [], []
-    for _ in range(n):
-        tok = int(row.argmax())
-        tokens.append(tok)
-        rows.append(row)
-        row = gs.step("decode", [tok], pos)[0].copy()
-        pos += 1
-    return tokens, rows
 
 
 def compare(fp32_dir: Path, fp32: dict, fp16_dir: Path, fp16: dict, shapes: mf.Shapes, *, prompt: list[int],
@@ -76,7 +38,7 @@ def compare(fp32_dir: Path, fp32: dict, fp16_dir: Path, fp16: dict, shapes: mf.S
     ids = np.random.default_rng(seed).integers(0, vocab, n_prompt + 1 + k + 1).tolist()
     runs = []
     for d, part, prov in ((fp32_dir, fp32, None), (fp16_dir, fp16, providers)):
-        gs = TypedGraphSet(d, part, shapes.kv_capacity, providers=prov)
+        gs = graph_set(d, part, shapes.kv_capacity, providers=prov)
         got = {"prefill": gs.step("prefill", ids[:n_prompt], 0).copy(),
                "decode": gs.step("decode", ids[n_prompt:n_prompt + 1], n_prompt).copy()}
         if "verify" in part["graphs"]:
@@ -93,8 +55,9 @@ def compare(fp32_dir: Path, fp32: dict, fp16_dir: Path, fp16: dict, shapes: mf.S
         if delta > tol:
             raise ParityError(f"fp16 {g} graph: max |logit delta| {delta:.3g} vs fp32 exceeds the tolerance "
                               f"{tol:.3g} (atol {FP16_ATOL} + rtol {FP16_RTOL} x max|logit| {scale:.3g})")
-    t32, rows = greedy(TypedGraphSet(fp32_dir, fp32, shapes.kv_capacity), prompt, new_tokens, C)
-    t16, _ = greedy(TypedGraphSet(fp16_dir, fp16, shapes.kv_capacity, providers=providers), prompt, new_tokens, C)
+    ref_run = greedy(graph_set(fp32_dir, fp32, shapes.kv_capacity), prompt, new_tokens, keep_rows=True)
+    t32, rows = ref_run.tokens, ref_run.rows
+    t16 = greedy(graph_set(fp16_dir, fp16, shapes.kv_capacity, providers=providers), prompt, new_tokens).tokens
     first = next((i for i, (a, b) in enumerate(zip(t32, t16)) if a != b), None)
     greedy_report = {"tokens": new_tokens, "identical_prefix": new_tokens if first is None else first}
     if first is not None:

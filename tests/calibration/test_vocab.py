@@ -17,7 +17,7 @@ from tiny_models import BOS_ID, EOS_ID, IM_START_ID
 from specrt.calibration import vocab
 from specrt.config import BuildConfig
 from specrt.errors import ConfigError
-from specrt.export.parity import GraphSet
+from specrt.driver import GraphSet
 from specrt.manifest import Shapes
 from specrt.runtime import SamplingParams, SpeculativeGenerator
 from specrt.runtime.sampling import probs_from_logits

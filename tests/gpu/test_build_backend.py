@@ -118,7 +118,7 @@ def test_ort_cuda_build_checks_fp16_against_fp32_with_the_stated_tolerance(cuda_
 
 
 def test_ort_cuda_graphs_are_fp16_with_a_constant_total_length_and_run_on_ort_cpu(cuda_build):
-    from specrt.export import parity, precision
+    from specrt.driver import GraphSet, greedy
     out = cuda_build[0]
     man = mf.load(out)
     m = man.target
@@ -133,10 +133,10 @@ def test_ort_cuda_graphs_are_fp16_with_a_constant_total_length_and_run_on_ort_cp
     gqa = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
     assert gqa and all(int(consts[n.input[6]]) == man.shapes.kv_capacity for n in gqa)
     graphs = {g: {"file": e.file.split("/", 1)[1], "tokens": e.tokens, "sha256": e.sha256} for g, e in m.graphs.items()}
-    gs = parity.GraphSet(out / "target", graphs, m.dims, man.shapes.kv_capacity)
+    gs = GraphSet(out / "target", graphs, m.dims, man.shapes.kv_capacity)
     assert gs.cache[0].dtype == np.float16
-    tokens, rows = precision.greedy(gs, [5, 6, 7, 8, 9], 8, man.shapes.prefill_chunk)
-    assert len(tokens) == 8 and all(np.isfinite(r).all() for r in rows)
+    run = greedy(gs, [5, 6, 7, 8, 9], 8, keep_rows=True)
+    assert len(run.tokens) == 8 and all(np.isfinite(r).all() for r in run.rows)
 
 
 # --- tensorrt: refused here, before any export ---------------------------------------------------
