@@ -4,7 +4,7 @@
 
 MODEL defaults to the default SmolLM2 GGUF (`make model`). For each attention variant
 (gqa, standard) it exports fp32 and fp16 graphs, checks the fp32 standard graphs against
-transformers (export.parity), and compares fp16 with fp32 (export.precision: logit
+transformers (export.parity), and compares fp16 with fp32 (build/gates/precision.py: logit
 delta against FP16_ATOL + FP16_RTOL * max|logit|, greedy agreement, first divergence and
 its fp32 top-2 margin). Prints one JSON report. CPU only; GPU kernels are compared by
 scripts/gpu_check.sh.
@@ -22,9 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
-    from specrt.config import DEFAULT_MODEL
+    from specrt.build.config import DEFAULT_MODEL
     from specrt.driver import graph_set, greedy
-    from specrt.export import onnx_export, parity, precision, sources
+    from specrt.build.gates import precision
+    from specrt.export import onnx_export, parity, sources
     from specrt.manifest import Shapes
 
     ap = argparse.ArgumentParser()

@@ -20,50 +20,16 @@ def _sampling(a):
 
 
 def cmd_build(a) -> int:
-    from specrt.config import PRESETS, BuildConfig
-    from specrt.pipeline import build
-    if a.preset:
-        if a.preset not in PRESETS:
-            raise SpecrtError(f"unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
-        if not a.target:
-            a.target = _preset_model(PRESETS[a.preset].target)
-        if not a.out and a.precision not in (None, "fp32"):   # keep the fp32 reference engines where they are
-            a.out = f"{PRESETS[a.preset].out}-{a.precision}"
-        if not a.out and a.backend not in (None, "ort-cpu"):   # and the CPU engines: <preset out>-<backend>
-            a.out = f"{PRESETS[a.preset].out}-{a.backend}"
-        cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
-                                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention,
-                                      backend=a.backend, measure_costs=a.measure_costs, draft_vocab=a.draft_vocab,
-                                      ngram_tokens=a.ngram_tokens, **_precision_args(a))
-    else:
-        if not (a.target and a.out):
-            raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
-        cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
-                                                            prefill_chunk=a.prefill_chunk, k=a.k,
-                                                            attention=a.attention, backend=a.backend,
-                                                            measure_costs=a.measure_costs,
-                                                            draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
-                                                            **_precision_args(a))
+    from specrt.build.config import config_for
+    from specrt.build.pipeline import build
+    cfg = config_for(a.preset, target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
+                     prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention, backend=a.backend,
+                     measure_costs=a.measure_costs, draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
+                     precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
+                     quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head])
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
-
-
-def _precision_args(a) -> dict:
-    lm = {None: None, "quantized": True, "fp32": False}[a.lm_head]
-    return dict(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level, quantize_lm_head=lm)
-
-
-def _preset_model(rel: str) -> str:
-    """A preset's model path is relative to the specrt checkout (where `make model` puts it):
-    found from any working folder when specrt is installed from the checkout."""
-    if Path(rel).exists():
-        return rel
-    checkout = Path(__file__).resolve().parents[1] / rel
-    if checkout.exists():
-        return str(checkout)
-    raise SpecrtError(f"the preset's model {rel} is not here or in the specrt checkout: run `make model` in the "
-                      "checkout (or `make engines`), run the build from the checkout, or pass --target PATH")
 
 
 def _no_draft_hint(engines: str) -> None:
@@ -194,7 +160,7 @@ def cmd_triton_repo(a) -> int:
 
 def cmd_qdq(a) -> int:
     from specrt.calibration.qdq import QDQSpec
-    from specrt.calibration.qdq_engine import make_qdq
+    from specrt.build.qdq_engine import make_qdq
     spec = QDQSpec(prompts=a.prompts, eval_prompts=a.eval_prompts, decode_steps=a.decode_steps, threads=a.threads,
                    **({} if a.keep_float is None else
                       {"keep_float": tuple(k.strip() for k in a.keep_float.split(",") if k.strip())}))

@@ -9,7 +9,9 @@ import shutil
 import pytest
 
 from specrt import manifest as mf
-from specrt.calibration import identity, qdq, qdq_engine
+from specrt.build import qdq_engine
+from specrt.build.gates import identity
+from specrt.calibration import qdq
 from specrt.errors import BuildOutputError, ConfigError, GraphFileError, ParityError
 from specrt.runtime import SpeculativeGenerator
 

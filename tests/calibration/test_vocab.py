@@ -1,4 +1,4 @@
-"""The vocabulary-trimmed draft LM head (calibration/vocab.py, `--draft-vocab N`): the
+"""The vocabulary-trimmed draft LM head (build/gates/vocab.py, `--draft-vocab N`): the
 draft scores only the kept ids, and speculation stays lossless: greedy output equals plain
 decoding, and sampled tokens follow the target's distribution, tokens the draft cannot
 propose included (they come from the target's residual)."""
@@ -14,8 +14,8 @@ from conftest import _once, build_tiny
 from runtime.test_sampling_exact import N, PROMPT, exact_of, fit_of, sample_prefixes, tree_of
 from tiny_models import BOS_ID, EOS_ID, IM_START_ID
 
-from specrt.calibration import vocab
-from specrt.config import BuildConfig
+from specrt.build.gates import vocab
+from specrt.build.config import BuildConfig
 from specrt.errors import ConfigError
 from specrt.driver import GraphSet
 from specrt.manifest import Shapes

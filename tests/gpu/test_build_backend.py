@@ -16,21 +16,22 @@ import pytest
 from test_tensorrt_builder import H200, fake_tensorrt
 
 from specrt import manifest as mf
-from specrt.config import GPU_DEFAULT_DRAFT, BuildConfig
-from specrt.engines import select
+from specrt.build.config import GPU_DEFAULT_DRAFT, BuildConfig
+from specrt.build import backend as build_backend
+from specrt.build import gpu as gpu_build
 from specrt.engines import tensorrt as trt_engines
 from specrt.engines import trt_build as trt_fields
 from specrt.engines.errors import BackendUnavailableError
 from specrt.errors import ConfigError, ManifestError
 
-CPU = select.Probe()
-TRT_GPU = select.Probe(tensorrt="11.1.0.106", gpu="NVIDIA H200")
-ORT_GPU = select.Probe(gpu="NVIDIA H200", ort_providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+CPU = build_backend.Probe()
+TRT_GPU = build_backend.Probe(tensorrt="11.1.0.106", gpu="NVIDIA H200")
+ORT_GPU = build_backend.Probe(gpu="NVIDIA H200", ort_providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
 SMALL = dict(max_context=96, prefill_chunk=16, k=3)
 
 
 def _build(out, target, **kw):
-    from specrt.pipeline import build
+    from specrt.build.pipeline import build
     return build(BuildConfig(target=str(target), out=str(out), **{**SMALL, **kw}), progress=False)
 
 
@@ -38,7 +39,7 @@ def _build(out, target, **kw):
 def cuda_build(tmp_path_factory, tiny_pair, monkeypatch_module):
     """--backend ort-cuda with a truncated draft, on this CPU machine (a pretend CPU probe, so
     the result does not depend on what the machine has)."""
-    monkeypatch_module.setattr(select, "probe", lambda: CPU)
+    monkeypatch_module.setattr(build_backend, "probe", lambda: CPU)
     target, _ = tiny_pair
     with _capture_warnings() as seen:
         out = _build(tmp_path_factory.mktemp("cuda") / "eng", target, draft="truncate:2", backend="ort-cuda")
@@ -50,7 +51,7 @@ def trt_build(tmp_path_factory, tiny_pair, monkeypatch_module):
     """--backend tensorrt with a fake `tensorrt`, a pretend TensorRT + GPU probe and GPU identity."""
     calls = []
     tmp = tmp_path_factory.mktemp("trt")
-    monkeypatch_module.setattr(select, "probe", lambda: TRT_GPU)
+    monkeypatch_module.setattr(build_backend, "probe", lambda: TRT_GPU)
     monkeypatch_module.setitem(sys.modules, "tensorrt", fake_tensorrt(calls))
     monkeypatch_module.setattr(trt_engines, "gpu_identity", lambda device=0: dict(H200))
     monkeypatch_module.setenv("SPECRT_CACHE", str(tmp / "cache"))
@@ -101,7 +102,7 @@ def test_ort_cuda_cross_build_records_device_kv_dtypes_and_that_cuda_was_not_ver
 
 
 def test_ort_cuda_build_checks_fp16_against_fp32_with_the_stated_tolerance(cuda_build):
-    from specrt.export import precision
+    from specrt.build.gates import precision
     man = mf.load(cuda_build[0])
     for role, graphs in (("target", {"prefill", "decode", "verify"}), ("draft", {"prefill", "decode"})):
         par = man.models[role].parity
@@ -142,14 +143,14 @@ def test_ort_cuda_graphs_are_fp16_with_a_constant_total_length_and_run_on_ort_cp
 # --- tensorrt: refused here, before any export ---------------------------------------------------
 
 @pytest.mark.parametrize("p,missing", [(CPU, "lacks TensorRT and a CUDA GPU"), (ORT_GPU, "lacks TensorRT:"),
-                                       (select.Probe(tensorrt="11.1.0.106"), "lacks a CUDA GPU")])
+                                       (build_backend.Probe(tensorrt="11.1.0.106"), "lacks a CUDA GPU")])
 def test_tensorrt_without_tensorrt_or_a_gpu_is_refused_before_any_export(monkeypatch, tmp_path, p, missing):
     from specrt.export import onnx_export, sources
 
     def never(*a, **k):
         raise AssertionError("the build reached the export")
 
-    monkeypatch.setattr(select, "probe", lambda: p)
+    monkeypatch.setattr(build_backend, "probe", lambda: p)
     monkeypatch.setattr(sources, "load_source", never)
     monkeypatch.setattr(onnx_export, "export_model", never)
     with pytest.raises(BackendUnavailableError) as e:
@@ -160,7 +161,7 @@ def test_tensorrt_without_tensorrt_or_a_gpu_is_refused_before_any_export(monkeyp
 
 def test_the_cli_says_why_tensorrt_is_refused(monkeypatch, tmp_path, capsys):
     from specrt import cli
-    monkeypatch.setattr(select, "probe", lambda: CPU)
+    monkeypatch.setattr(build_backend, "probe", lambda: CPU)
     rc = cli.main(["build", "--target", str(tmp_path / "m"), "--out", str(tmp_path / "o"), "--backend", "tensorrt"])
     err = capsys.readouterr().err
     assert rc == 2 and "BackendUnavailableError: --backend tensorrt needs TensorRT and a CUDA GPU" in err
@@ -187,7 +188,7 @@ def test_tensorrt_build_writes_engine_fields_into_the_manifest_not_a_sidecar(trt
     assert parsed == [["target", "prefill.onnx"], ["target", "decode.onnx"], ["target", "verify.onnx"]]
     assert {rel for rel, _ in mf.artifact_files(man)} >= {f"target/{g}.plan" for g in man.target.graphs}
     mf.check_files(man, out, hashes=True)
-    from specrt import outdir
+    from specrt.build import outdir
     assert outdir.foreign_entries(out) == []            # a rebuild into the same --out needs no --force
 
 
@@ -248,9 +249,8 @@ def test_manifests_without_engine_fields_still_load(tiny_engines, tmp_path):
 # --- auto, refusals, the CLI ----------------------------------------------------------------------
 
 def test_auto_without_a_gpu_picks_ort_cpu_says_why_and_keeps_the_cpu_defaults(monkeypatch, capsys):
-    from specrt import gpu_build
-    monkeypatch.setattr(select, "probe", lambda: CPU)
-    cfg, choice = gpu_build.resolve(BuildConfig(target="t", out="o", backend="auto"), progress=True)
+    monkeypatch.setattr(build_backend, "probe", lambda: CPU)
+    cfg, choice = build_backend.resolve(BuildConfig(target="t", out="o", backend="auto"), progress=True)
     assert (cfg.backend, cfg.draft, cfg.attention) == ("ort-cpu", "int8", "gqa")
     assert choice["reason"] == "auto: no CUDA GPU found" and choice["requested"] == "auto"
     assert "specrt build: backend ort-cpu (auto: no CUDA GPU found)" in capsys.readouterr().err
@@ -259,9 +259,8 @@ def test_auto_without_a_gpu_picks_ort_cpu_says_why_and_keeps_the_cpu_defaults(mo
 @pytest.mark.parametrize("p,backend,attention,verified", [(TRT_GPU, "tensorrt", "standard", False),
                                                           (ORT_GPU, "ort-cuda", "gqa", True)])
 def test_auto_with_a_gpu_picks_its_backend_with_the_gpu_defaults(monkeypatch, p, backend, attention, verified):
-    from specrt import gpu_build
-    monkeypatch.setattr(select, "probe", lambda: p)
-    cfg, choice = gpu_build.resolve(BuildConfig(target="t", out="o", backend="auto"))
+    monkeypatch.setattr(build_backend, "probe", lambda: p)
+    cfg, choice = build_backend.resolve(BuildConfig(target="t", out="o", backend="auto"))
     assert (cfg.backend, cfg.attention, cfg.draft) == (backend, attention, GPU_DEFAULT_DRAFT)
     assert choice["cuda_verified"] is verified and choice["reason"].startswith("auto:")
     device = gpu_build._device(backend, choice)
@@ -269,13 +268,12 @@ def test_auto_with_a_gpu_picks_its_backend_with_the_gpu_defaults(monkeypatch, p,
 
 
 def test_the_default_cpu_build_does_not_probe(monkeypatch):
-    from specrt import gpu_build
 
     def no(*a):
         raise AssertionError("probed")
 
-    monkeypatch.setattr(select, "probe", no)
-    cfg, choice = gpu_build.resolve(BuildConfig(target="t", out="o"))
+    monkeypatch.setattr(build_backend, "probe", no)
+    cfg, choice = build_backend.resolve(BuildConfig(target="t", out="o"))
     assert (cfg.backend, cfg.draft, cfg.attention, choice["reason"]) == ("ort-cpu", "int8", "gqa", "requested")
 
 
@@ -289,10 +287,9 @@ def test_the_int8_self_draft_is_refused_for_gpu_backends_with_the_alternatives(b
 
 
 def test_an_int8_draft_with_auto_is_refused_before_export_when_a_gpu_backend_is_chosen(monkeypatch):
-    from specrt import gpu_build
-    monkeypatch.setattr(select, "probe", lambda: TRT_GPU)
+    monkeypatch.setattr(build_backend, "probe", lambda: TRT_GPU)
     with pytest.raises(ConfigError, match="--draft int8 with --backend tensorrt"):
-        gpu_build.resolve(BuildConfig(target="t", out="o", backend="auto", draft="int8"))
+        build_backend.resolve(BuildConfig(target="t", out="o", backend="auto", draft="int8"))
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -317,7 +314,8 @@ def test_an_attention_variant_the_backend_cannot_run_is_refused(backend, attenti
     (["--backend", "auto"], {"backend": "auto"}),
 ])
 def test_cli_build_backend_flag(monkeypatch, tmp_path, argv, want):
-    from specrt import cli, pipeline
+    from specrt import cli
+    from specrt.build import pipeline
     seen = []
     monkeypatch.setattr(pipeline, "build", lambda cfg, **kw: seen.append(cfg) or cfg.out)
     assert cli.main(["build", "--target", "T", "--out", "OUT", *argv]) == 0
@@ -325,7 +323,8 @@ def test_cli_build_backend_flag(monkeypatch, tmp_path, argv, want):
 
 
 def test_cli_preset_with_a_gpu_backend_writes_beside_the_cpu_engines(monkeypatch):
-    from specrt import cli, pipeline
+    from specrt import cli
+    from specrt.build import pipeline
     seen = []
     monkeypatch.setattr(pipeline, "build", lambda cfg, **kw: seen.append(cfg) or cfg.out)
     assert cli.main(["build", "--preset", "smollm2", "--target", "T", "--backend", "ort-cuda"]) == 0

@@ -8,7 +8,8 @@ import onnx
 import pytest
 from tiny_models import make_tiny_model_dir
 
-from specrt.export import onnx_export, precision, sources
+from specrt.build.gates import precision
+from specrt.export import onnx_export, sources
 from specrt.manifest import Shapes
 
 SHAPES = Shapes(batch=1, max_context=64, prefill_chunk=16, k=3)

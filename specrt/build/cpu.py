@@ -1,53 +1,36 @@
-"""`specrt build`: export -> calibration -> engines, into one folder with a manifest.
+"""The ONNX Runtime CPU build (`--backend ort-cpu`, the default), into the partial folder
+build/pipeline.py gives it:
 
-The build writes into `<out>.partial` and moves it into place only when every graph
-passed parity, so a failed build never destroys the previous artifacts. This file is the
-ONNX Runtime CPU build (`--backend ort-cpu`, the default); the GPU backends' builds are in
-specrt/gpu_build.py, which also resolves `--backend auto`.
+    target: load ─ fp32 export ─ parity vs torch ─ [int8/int4: quantize, agreement with fp32]
+            ─ decode vs verify identity (refused when greedy speculation would differ)
+    draft:  int8 copy of the fp32 export [LM head cut, --draft-vocab] ─ agreement gate
+            | truncate:N or a draft model: fp32 export ─ parity ─ agreement with the target
+    [two-row decode graph: the n-gram table]  [measure_costs: the speculation plan]
+    ─ manifest.json (manifest_writer.py)
+
+The GPU backends' builds are in build/gpu.py; what both share is in build/steps.py.
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
 from pathlib import Path
 
-from specrt.config import BuildConfig
-from specrt.errors import TokenizerMismatchError
+from specrt.build import steps
+from specrt.build.config import BuildConfig
 
 log = logging.getLogger(__name__)
 # an INT8 copy that disagrees with its own fp32 source this often is broken, not just weak
 MIN_INT8_AGREEMENT = 0.5
 
 
-def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Path:
-    """Build into a fresh hidden sibling of `cfg.out` and swap it into place at the end
-    (see specrt/outdir.py): a failed or interrupted build leaves `cfg.out` as it was, and
-    nothing is deleted that specrt did not create (`force=True` replaces a folder that is
-    not a previous build)."""
-    from specrt import gpu_build, outdir
-    from specrt.runtime.backends.ort_cpu import configure_threads
-    cfg, choice = gpu_build.resolve(cfg, progress=progress)   # auto -> a backend; GPU refusals before any work
-    out = outdir.preflight(cfg.out, force=force)     # before any long work
-    configure_threads(cfg.threads)   # every session of the build (parity, agreement) runs on this pool
-    tmp = outdir.make_partial(out)
-    try:
-        if cfg.backend == "ort-cpu":
-            _build(cfg, out, tmp, progress, choice)
-        else:
-            gpu_build.build_gpu(cfg, out, tmp, progress, choice)
-        outdir.commit(tmp, out)
-    finally:
-        outdir.discard(tmp)        # a failed build leaves nothing behind; `out` is untouched
-    return Path(cfg.out)
-
-
-def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict) -> Path:
+def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict) -> Path:
     from tqdm.auto import tqdm
 
-    from specrt.calibration import int8, measure
-    from specrt.engines import ort_cpu
+    from specrt.build import manifest_writer
+    from specrt.build.gates import measure
+    from specrt.calibration import int8
     from specrt.export import onnx_export, parity, sources
     from specrt.runtime.tokenizer import Tokenizer
 
@@ -65,25 +48,25 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
     bar.set_postfix_str("loading target")
     tgt = sources.load_source(cfg.target)
     step("target loaded")
-    _check_window(tgt, shapes)
+    steps.check_window(tgt, shapes)
     dm = None
     if kind == "model":   # refuse a mismatched draft before the long export
         dm = sources.load_source(cfg.draft)
-        _check_same_tokenizer(tgt, dm)
+        steps.check_same_tokenizer(tgt, dm)
     # the fp32 export is the target itself, or the source of a quantized target (and of an int8 draft)
     fp32_dir = tmp / ("target" if cfg.precision == "fp32" else "_fp32")
     fp32 = onnx_export.export_model(tgt, shapes, fp32_dir, attention=cfg.attention,
                                     progress=lambda g: step(f"target {g} exported"))
     fp32["parity"] = parity.check_parity(tgt.model, fp32_dir, fp32, shapes, rtol=tgt.spec.parity_rtol)
-    tok_info = _save_tokenizer(tgt, tmp)
+    tok_info = steps.save_tokenizer(tgt, tmp)
     tok = Tokenizer(tmp, tok_info)        # the runtime's: the build's prompts are encoded as it encodes them
-    prompts = _prompt_ids(tok, tgt.dims.vocab)
+    prompts = steps.prompt_ids(tok, tgt.dims.vocab)
     part = _quantized_target(cfg, tgt, fp32_dir, fp32, tmp / "target", prompts) if cfg.precision != "fp32" else fp32
     part["parity"]["identity"] = _check_identity(cfg, tmp / "target", part, prompts)
     part.update(subdir="target", family=tgt.spec.family, precision=cfg.precision,
                 source={**tgt.identity, **part.pop("derived", {}), "tokenizer_sha256": tok_info["sha256"],
                         **({"export_fusions": fp32["fusions"]} if fp32.get("fusions") else {})},
-                kv=_kv(cfg, None))
+                kv=steps.kv(cfg, None))
     parts = {"target": part}
     step("target parity checked")
 
@@ -91,7 +74,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
         method = "blockwise" if kind == "int8" else "dynamic"
         trim, prepare = None, None
         if cfg.draft_vocab is not None:   # the LM head cut to N columns before quantization
-            from specrt.calibration import vocab
+            from specrt.build.gates import vocab
             bar.set_postfix_str("choosing the draft's vocabulary")
             ids, trim = _draft_vocab(cfg, tgt, tok, fp32_dir, fp32, tok_info)
             prepare = {"decode": lambda m: vocab.trim_lm_head(m, ids)}
@@ -125,7 +108,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
                  source={**tgt.identity, "derived": f"int8 ({method}) copy of the fp32 target" + (
                          f", LM head cut to {trim['kept']} of {trim['of']} tokens" if trim else ""),
                          "quantization": how, "tokenizer_sha256": tok_info["sha256"]},
-                 kv=_kv(cfg, "target"))
+                 kv=steps.kv(cfg, "target"))
         parts["draft"] = d
     elif kind in ("truncate", "model"):
         if kind == "truncate":
@@ -133,7 +116,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
             if layers >= tgt.dims.layers:
                 from specrt.errors import SpecrtError
                 raise SpecrtError(f"draft={cfg.draft!r}: the target has only {tgt.dims.layers} layers")
-            reference = _truncated_reference(tgt.model, layers)
+            reference = steps.truncated_reference(tgt.model, layers)
             derived = {"derived": f"first {layers} of {tgt.dims.layers} target layers"}
         else:
             layers = None
@@ -145,11 +128,11 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
             tmp / "target", part, tmp / "draft", d, shapes, prompts, shared_cache=False)
         d.update(subdir="draft", family=dm.spec.family, precision="fp32",
                  source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
-                 kv=_kv(cfg, None))
+                 kv=steps.kv(cfg, None))
         parts["draft"] = d
     proposers = {}
     if cfg.ngram_tokens and part["graphs"]["decode"]["tokens"] > 1:   # pair rounds: guesses where lookup has none
-        from specrt.calibration import ngrams
+        from specrt.build.gates import ngrams
         bar.set_postfix_str(f"n-gram table: generating {cfg.ngram_tokens} tokens")
         proposers["ngrams"] = ngrams.build(tok, tmp / "target", part, shapes, tmp / "ngrams.json", cfg.ngram_tokens,
                                            set(tok_info["eos_token_ids"]))
@@ -161,7 +144,7 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
         bar.set_postfix_str("timing the graphs")
         build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
     build_info["seconds"] = round(time.perf_counter() - t_start, 1)
-    ort_cpu.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
+    manifest_writer.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
@@ -169,8 +152,8 @@ def _build(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict)
 
 
 def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_info: dict):
-    """(kept ids, manifest record) for --draft-vocab N (calibration/vocab.py)."""
-    from specrt.calibration import vocab
+    """(kept ids, manifest record) for --draft-vocab N (build/gates/vocab.py)."""
+    from specrt.build.gates import vocab
     from specrt.errors import ConfigError
     v = int(fp32["dims"]["vocab"])
     if cfg.draft_vocab >= v:
@@ -182,9 +165,9 @@ def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_inf
 
 
 def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
-    """Each built graph's step cost, and the predicted speedup of every k (calibration/plan.py):
+    """Each built graph's step cost, and the predicted speedup of every k (build/gates/plan.py):
     what adaptive k starts from at run time."""
-    from specrt.calibration import plan
+    from specrt.build.gates import plan
     d = parts.get("draft")
     costs = plan.step_costs(tmp / "target", parts["target"], tmp / "draft" if d else None, d, shapes)
     agreement = ((d or {}).get("parity") or {}).get("agreement_with_target", {}).get("top1_agreement")
@@ -200,10 +183,11 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
 def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:
     """The target's prefill/decode/verify graphs quantized as cfg.precision says, with
     their agreement with the fp32 export measured on real prompts. With int8 compute the
-    decode graph is exported for 2 rows (calibration/rows.py): a plain step pads one row, so
+    decode graph is exported for 2 rows (build/gates/rows.py): a plain step pads one row, so
     plain decoding runs the verify pass's kernels and rounds exactly as it does, and a pair
     round verifies one guessed token in that row at no extra cost (runtime/loop.py)."""
-    from specrt.calibration import identity, quantize, rows
+    from specrt.build.gates import identity, rows
+    from specrt.calibration import quantize
     from specrt.export import onnx_export
     spec = quantize.QuantSpec(**cfg.target_quantization)
     source, wide = fp32, spec.accuracy_level == 4
@@ -231,7 +215,7 @@ def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir
 def _check_identity(cfg: BuildConfig, model_dir: Path, part: dict, prompts) -> dict:
     """Greedy speculation reproduces plain decoding only if the verify graph's rows pick
     the tokens the one-token graph picks: refuse a target whose graphs disagree."""
-    from specrt.calibration import identity
+    from specrt.build.gates import identity
     from specrt.errors import ParityError
     r = identity.decode_verify_agreement(model_dir, part, cfg.shapes, prompts)
     q = cfg.target_quantization
@@ -254,87 +238,3 @@ def _check_identity(cfg: BuildConfig, model_dir: Path, part: dict, prompts) -> d
             f"(T=1) at {r['argmax_flips']} of {r['rows']} positions (max |delta logit| "
             f"{r['max_abs_logit_delta']:.3g}): greedy speculative output would differ from plain decoding; {fix}")
     return r
-
-
-def _kv(cfg: BuildConfig, shares: str | None) -> dict:
-    return {"dtype": "float32", "layout": "[batch, kv_heads, kv_capacity, head_dim]",
-            "update": "in_place" if cfg.attention in ("gqa", "standard") else "returned", "shares_cache_with": shares}
-
-
-def _check_window(lm, shapes) -> None:
-    from specrt.errors import SpecrtError
-    if shapes.kv_capacity > lm.dims.max_positions and lm.spec.positions == "learned":
-        raise SpecrtError(f"max_context={shapes.max_context} + window exceeds the model's {lm.dims.max_positions} "
-                          "learned positions: lower --max-context")
-    if shapes.max_context > lm.dims.max_positions:
-        raise SpecrtError(f"max_context={shapes.max_context} exceeds the model's max_position_embeddings="
-                          f"{lm.dims.max_positions}: lower --max-context")
-    sw = lm.identity.get("sliding_window")
-    if sw and sw < shapes.kv_capacity:
-        raise SpecrtError(f"the model uses sliding-window attention ({sw} tokens) and max_context + window "
-                          f"= {shapes.kv_capacity} exceeds it; specrt does not export sliding windows: "
-                          f"use --max-context below {sw - max(shapes.prefill_chunk, shapes.k + 1)}")
-
-
-def _save_tokenizer(lm, out: Path) -> dict:
-    from specrt import manifest as mf
-    tok = lm.tokenizer
-    tmp = out / "_tokenizer"
-    tok.save_pretrained(str(tmp))
-    path = out / "tokenizer.json"
-    shutil.move(str(tmp / "tokenizer.json"), path)
-    shutil.rmtree(tmp)
-    eos = set()
-    if tok.eos_token_id is not None:
-        eos.add(int(tok.eos_token_id))
-    gen_eos = getattr(getattr(lm.model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        eos.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
-    return {"file": "tokenizer.json", "sha256": mf.sha256_file(path), "chat_template": tok.chat_template,
-            "eos_token_ids": sorted(eos), "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-            "bos_token_id": tok.bos_token_id, "vocab_size": len(tok)}
-
-
-def _check_same_tokenizer(a, b) -> None:
-    va, vb = a.tokenizer.get_vocab(), b.tokenizer.get_vocab()
-    if va != vb:
-        only = len(set(va.items()) ^ set(vb.items()))
-        raise TokenizerMismatchError(
-            f"draft and target tokenizers differ ({len(va)} vs {len(vb)} entries, {only} mismatched): speculative "
-            "decoding needs one shared vocabulary; pick a draft from the same model family")
-    if a.dims.vocab != b.dims.vocab:
-        raise TokenizerMismatchError(f"draft logits have {b.dims.vocab} entries, the target's {a.dims.vocab}: "
-                                     "the vocabularies must be the same size")
-
-
-def _truncated_reference(model, layers: int):
-    """The first `layers` layers of `model`, sharing its weights; `model` is left whole
-    (a shallow copy of a Module shares its submodule dict, so each level gets its own)."""
-    import copy
-    ref = copy.copy(model)             # shallow: shares weights
-    ref._modules = dict(model._modules)
-    ref.model = copy.copy(model.model)
-    ref.model._modules = dict(model.model._modules)
-    ref.model.layers = model.model.layers[:layers]
-    ref.model.config = copy.copy(model.model.config)
-    ref.model.config.num_hidden_layers = layers
-    return ref
-
-
-def _prompt_ids(tokenizer, vocab: int) -> list[list[int]]:
-    """The first specrt.prompts as the runtime encodes them (driver.encode_prompts), checked
-    against the model's vocabulary. tokenizer: the runtime's, over the saved tokenizer.json."""
-    from specrt.driver import encode_prompts
-    from specrt.prompts import PROMPTS
-    out = encode_prompts(tokenizer, PROMPTS[:4])
-    bad = [i for ids in out for i in ids if not 0 <= i < vocab]
-    if bad:
-        from specrt.errors import TokenizerMismatchError
-        raise TokenizerMismatchError(f"the tokenizer produced ids {bad[:3]} outside the model's vocabulary "
-                                     f"({vocab}): the tokenizer does not belong to this model")
-    return out
-
-
-def describe(path: Path) -> str:
-    from specrt import manifest as mf
-    return json.dumps(json.loads((Path(path) / mf.FILENAME).read_text()), indent=2)

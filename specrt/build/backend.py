@@ -1,4 +1,5 @@
-"""Which backend a build targets: `select_backend(requested, probe)` -> (backend, reason).
+"""Which backend a build targets: `resolve(cfg)` -> (the config for that backend, the choice),
+before any work; `select_backend(requested, probe)` -> (backend, reason) is the decision.
 
     auto -> "tensorrt"  when TensorRT imports and a CUDA GPU is visible
          -> "ort-cuda"  when onnxruntime-gpu (CUDAExecutionProvider) and a GPU are there
@@ -7,18 +8,20 @@ An explicit request is honoured or refused with what is missing; it never falls 
 silently. `ort-cuda` is always honoured: its fp16 ONNX graphs are built and checked on
 ONNX Runtime CPU, so a CPU machine can cross-build them; the reason then says that the
 CUDA execution was not verified (`cuda_verifiable(probe)` is False). The decision is a pure function of a `Probe`, so it is tested on CPU with fake
-probes; `probe()` looks at this machine. The GPU backends themselves have not run on a
-GPU yet (README "GPU path").
+probes; `probe()` looks at this machine (TensorRT and cuda-python are imported through the
+runtime's loaders, the only ones). The GPU backends themselves have not run on a GPU yet
+(README "GPU path").
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import logging
+import sys
 from dataclasses import dataclass
 
+from specrt.build.config import BACKENDS, BuildConfig
 from specrt.engines.errors import BackendUnavailableError
 
-BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "auto")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,11 @@ def cuda_verifiable(probe: Probe) -> bool:
 
 def probe() -> Probe:
     """This machine: TensorRT version, CUDA device 0's name, ONNX Runtime's providers."""
-    trt_version = None
-    if importlib.util.find_spec("tensorrt") is not None:
-        try:
-            trt_version = str(importlib.import_module("tensorrt").__version__)
-        except Exception:   # a broken install (missing libnvinfer) counts as absent  # noqa: BLE001
-            trt_version = None
+    from specrt.runtime.backends.trt_runtime import load_tensorrt
+    try:
+        trt_version = str(load_tensorrt().__version__)
+    except Exception:   # absent, or a broken install (missing libnvinfer): counts as absent  # noqa: BLE001
+        trt_version = None
     try:
         import onnxruntime
         providers = tuple(onnxruntime.get_available_providers())
@@ -88,18 +90,29 @@ def probe() -> Probe:
 
 
 def _gpu_name() -> str | None:
+    from specrt.runtime.backends.cuda_device import gpu_identity, load_cudart
     try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
+        gpu = gpu_identity(load_cudart(), 0)
+    except Exception:   # no cuda-python, or no driver (cuda-python raises instead of returning an error)  # noqa: BLE001
         return None
-    try:
-        err, count = cudart.cudaGetDeviceCount()
-        if err != cudart.cudaError_t.cudaSuccess or count < 1:
-            return None
-        err, prop = cudart.cudaGetDeviceProperties(0)
-        if err != cudart.cudaError_t.cudaSuccess:
-            return None
-        name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
-        return name.rstrip("\x00") or "CUDA device 0"
-    except Exception:   # no driver: cuda-python raises instead of returning an error  # noqa: BLE001
-        return None
+    return (gpu["gpu_name"] or "CUDA device 0") if gpu else None
+
+
+def resolve(cfg: BuildConfig, *, progress: bool = False) -> tuple[BuildConfig, dict]:
+    """The config for a concrete backend and the choice {"requested", "backend", "reason",
+    "cuda_verified"}. The CPU default probes nothing (the fast build stays as fast)."""
+    if cfg.backend == "ort-cpu":
+        return cfg.resolved(), {"requested": "ort-cpu", "backend": "ort-cpu", "reason": "requested",
+                                "cuda_verified": False}
+    p = probe()
+    backend, why = select_backend(cfg.backend, p)   # refuses tensorrt without TensorRT and a GPU
+    resolved = cfg.resolved(backend)
+    choice = {"requested": cfg.backend, "backend": backend, "reason": why,
+              "cuda_verified": backend == "ort-cuda" and cuda_verifiable(p), "gpu": p.gpu}
+    if backend == "ort-cuda" and not choice["cuda_verified"]:
+        log.warning("specrt build: backend ort-cuda (%s)", why)
+    else:
+        log.info("specrt build: backend %s (%s)", backend, why)
+        if progress:
+            print(f"specrt build: backend {backend} ({why})", file=sys.stderr)
+    return resolved, choice

@@ -1,11 +1,9 @@
-"""`specrt build --backend ort-cuda | tensorrt | auto`: which backend, and the GPU builds.
+"""`specrt build --backend ort-cuda | tensorrt`: the GPU builds (the backend is resolved and
+every GPU refusal made before, in build/backend.py).
 
-    resolve(cfg)   auto -> a backend (engines/select.py, with the reason); every refusal
-                   (TensorRT or a GPU missing, an int8 draft, an int8/int4 target) happens
-                   here, before any export
     build_gpu      per model (target; a truncate:N or separate draft):
                      fp32 export (the backend's variant) ─ parity vs torch
-                     fp16 export (same variant) ─ precision.compare: fp16 vs fp32 on ONNX Runtime
+                     fp16 export (same variant) ─ gates/precision.compare: fp16 vs fp32 on ONNX Runtime
                        CPU (max|dlogit| <= FP16_ATOL + FP16_RTOL * max|logit|, greedy agreement)
                      [ort-cuda on a GPU with onnxruntime-gpu: the same comparison on CUDA]
                    draft: top-1 agreement with the fp16 target; target: decode vs verify rows
@@ -23,45 +21,23 @@ from __future__ import annotations
 
 import logging
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from specrt import manifest as mf
-from specrt.config import BuildConfig
+from specrt.build import steps
+from specrt.build.config import BuildConfig
 
 log = logging.getLogger(__name__)
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 GREEDY_TOKENS = 32       # greedy tokens compared fp16 vs fp32 (fewer when max_context is small)
 
 
-def resolve(cfg: BuildConfig, *, progress: bool = False) -> tuple[BuildConfig, dict]:
-    """The config for a concrete backend and the choice {"requested", "backend", "reason",
-    "cuda_verified"}. The CPU default probes nothing (the fast build stays as fast)."""
-    if cfg.backend == "ort-cpu":
-        return cfg.resolved(), {"requested": "ort-cpu", "backend": "ort-cpu", "reason": "requested",
-                                "cuda_verified": False}
-    from specrt.engines import select
-    p = select.probe()
-    backend, why = select.select_backend(cfg.backend, p)   # refuses tensorrt without TensorRT and a GPU
-    resolved = cfg.resolved(backend)
-    choice = {"requested": cfg.backend, "backend": backend, "reason": why,
-              "cuda_verified": backend == "ort-cuda" and select.cuda_verifiable(p), "gpu": p.gpu}
-    if backend == "ort-cuda" and not choice["cuda_verified"]:
-        log.warning("specrt build: backend ort-cuda (%s)", why)
-    else:
-        log.info("specrt build: backend %s (%s)", backend, why)
-        if progress:
-            print(f"specrt build: backend {backend} ({why})", file=sys.stderr)
-    return resolved, choice
-
-
 def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict) -> Path:
     from tqdm.auto import tqdm
 
-    from specrt import pipeline as pl
-    from specrt.calibration import measure
-    from specrt.engines import ort_cpu
+    from specrt.build import manifest_writer
+    from specrt.build.gates import measure
     from specrt.export import sources
     from specrt.runtime.tokenizer import Tokenizer
 
@@ -76,13 +52,13 @@ def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         bar.update(1)
 
     tgt = sources.load_source(cfg.target)
-    pl._check_window(tgt, shapes)
+    steps.check_window(tgt, shapes)
     dm = None
     if kind == "model":   # refuse a mismatched draft before the long export
         dm = sources.load_source(cfg.draft)
-        pl._check_same_tokenizer(tgt, dm)
-    tok_info = pl._save_tokenizer(tgt, tmp)
-    prompts = pl._prompt_ids(Tokenizer(tmp, tok_info), tgt.dims.vocab)
+        steps.check_same_tokenizer(tgt, dm)
+    tok_info = steps.save_tokenizer(tgt, tmp)
+    prompts = steps.prompt_ids(Tokenizer(tmp, tok_info), tgt.dims.vocab)
     providers = CUDA_PROVIDERS if choice["cuda_verified"] else None
     part = _fp16_model(cfg, tgt, tgt.model, tmp, "target", ("prefill", "decode", "verify"), prompts, providers, step)
     part["parity"]["identity"] = _identity(tmp / "target", part, shapes, prompts, cfg.k)
@@ -96,7 +72,7 @@ def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
                 from specrt.errors import SpecrtError
                 raise SpecrtError(f"draft={cfg.draft!r}: the target has only {tgt.dims.layers} layers")
             derived = {"derived": f"first {layers} of {tgt.dims.layers} target layers"}
-        reference = pl._truncated_reference(tgt.model, layers) if layers else dm.model
+        reference = steps.truncated_reference(tgt.model, layers) if layers else dm.model
         d = _fp16_model(cfg, dm, reference, tmp, "draft", ("prefill", "decode"), prompts, providers, step,
                         layers=layers)
         d["parity"]["agreement_with_target"] = measure.draft_agreement(
@@ -105,13 +81,13 @@ def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         parts["draft"] = d
     step("parity checked")
     build_info = {"config": cfg.as_dict(), "backend": choice, "seconds": None}
-    man = ort_cpu.assemble_manifest(shapes, parts, tok_info, build_info, _device(cfg.backend, choice))
+    man = manifest_writer.assemble_manifest(shapes, parts, tok_info, build_info, _device(cfg.backend, choice))
     if cfg.backend == "tensorrt":   # GPU-ONLY, NOT YET RUN ON A GPU (a fake tensorrt in the tests)
         from specrt.engines import trt_build
         man = trt_build.add_engines(man, tmp, progress=lambda s: step(f"{s.role} {s.graph} engine built"))
     from dataclasses import replace
     man = replace(man, build={**build_info, "seconds": round(time.perf_counter() - t_start, 1)})
-    ort_cpu.save_manifest(man, tmp)
+    manifest_writer.save_manifest(man, tmp)
     step("manifest written")
     bar.close()
     log.info("built %s (%s) in %.0fs", out, cfg.backend, time.perf_counter() - t_start)
@@ -122,8 +98,8 @@ def _fp16_model(cfg: BuildConfig, lm, reference, tmp: Path, role: str, graphs: t
                 providers, step, layers: int | None = None) -> dict:
     """One model's fp16 graphs in the backend's variant, with parity: the fp32 export of the
     same variant against torch, and the fp16 graphs against that fp32 export."""
-    from specrt import pipeline as pl
-    from specrt.export import onnx_export, parity, precision
+    from specrt.build.gates import precision
+    from specrt.export import onnx_export, parity
     spec, shapes = cfg.spec, cfg.shapes
     kw = dict(graphs=graphs, layers=layers, attention=cfg.attention, static_total=spec.static_total)
     ref_dir = tmp / f"_fp32_{role}"
@@ -140,7 +116,7 @@ def _fp16_model(cfg: BuildConfig, lm, reference, tmp: Path, role: str, graphs: t
                                                             new_tokens=n, providers=providers),
                                         "provider": providers[0]}
     shutil.rmtree(ref_dir)
-    kv = {**pl._kv(cfg, None), "dtype": part["kv_dtype"]}
+    kv = {**steps.kv(cfg, None), "dtype": part["kv_dtype"]}
     if spec.static_total:
         kv["total_sequence_length"] = "static: the graphs' GroupQueryAttention sees kv_capacity (CUDA-graph capture)"
     part.update(subdir=role, family=lm.spec.family, precision=spec.graph_precision, kv=kv, parity=par)
@@ -151,7 +127,7 @@ def _identity(model_dir: Path, part: dict, shapes: mf.Shapes, prompts, k: int) -
     """Decode vs verify rows of the fp16 target on ONNX Runtime CPU, recorded, not a gate:
     GPU kernels round differently, so plain and speculative greedy output must be compared
     again on the GPU (a CPU near-tie says nothing about the GPU's)."""
-    from specrt.calibration import identity
+    from specrt.build.gates import identity
     r = identity.decode_verify_agreement(model_dir, part, shapes, prompts)
     r["plain_decoding"] = f"the decode graph (T=1); speculation verifies with the verify graph (T={k + 1})"
     r["guarantee"] = "measured on ONNX Runtime CPU only; not a guarantee for the GPU kernels"

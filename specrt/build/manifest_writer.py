@@ -1,9 +1,10 @@
-"""Assemble the artifacts of a build into a manifest (the writer every backend shares:
-the ONNX Runtime CPU and CUDA builds pass their device, a TensorRT build adds its engine
-fields with engines/tensorrt.py before `save_manifest`)."""
+"""Assemble the artifacts of a build into a manifest (the writer every backend shares: the
+ONNX Runtime CPU and CUDA builds pass their device, a TensorRT build adds its engine fields
+with engines/trt_build.py before `save_manifest`, `specrt qdq` writes its folder's)."""
 from __future__ import annotations
 
 import platform
+from importlib import metadata
 from pathlib import Path
 
 from specrt import __version__
@@ -16,10 +17,10 @@ def tool_versions() -> dict:
 
     versions = {"specrt": __version__, "python": platform.python_version(), "onnx": onnx.__version__,
                 "onnxruntime": onnxruntime.__version__}
-    for name in ("torch", "transformers"):
+    for name in ("torch", "transformers"):   # read, not imported: `specrt qdq` never loads torch
         try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             pass
     return versions
 
@@ -39,7 +40,7 @@ def assemble_manifest(shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict
                       device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
     """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}.
     device: the build's target device (default: this CPU). proposers: files shipped for the
-    runtime's proposals (e.g. {"ngrams": {...}}, calibration/ngrams.py)."""
+    runtime's proposals (e.g. {"ngrams": {...}}, build/gates/ngrams.py)."""
     models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
     return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or mf.this_device(),
                        tools=tool_versions(), build=build, proposers=proposers or None)

@@ -2,7 +2,9 @@
 
 `draft` and `attention` may be left None: the backend's default (BACKEND_SPECS). A config
 for `backend="auto"` is completed by `resolved(backend)` once the build has probed the
-machine; every other config can be resolved at once.
+machine; every other config can be resolved at once. `config_for` turns what a user asked
+for (a preset or a target and a folder, with overrides) into one config, naming a preset's
+folder after a quantized precision or a GPU backend.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
 # the target's precision -> how its weights are quantized (calibration.quantize.QuantSpec).
 # Chosen by measurement on SmolLM2-135M, 2 cores (README "Precision"): int8 compute
 # (accuracy_level 4) with a decode graph that runs the multi-row kernels, so plain and
-# speculative decoding agree bit for bit (calibration/rows.py); fp32 compute (1) makes
+# speculative decoding agree bit for bit (build/gates/rows.py); fp32 compute (1) makes
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
 # more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
 PRECISIONS = {
@@ -81,18 +83,18 @@ class BuildConfig:
     accuracy_level: int | None = None    # int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: PRECISIONS)
     quantize_lm_head: bool | None = None  # int8/int4: quantize the LM head too (default: PRECISIONS)
     backend: str = "ort-cpu"   # "ort-cpu" | "ort-cuda" | "tensorrt" | "auto" (BACKENDS; README "GPU path")
-    # time each graph once built and record the speculation plan (calibration/plan.py), which
+    # time each graph once built and record the speculation plan (build/gates/plan.py), which
     # turns on adaptive k at run time; False: a manifest without timings (reproducible bytes)
     measure_costs: bool = True
     # int8 / int8-dynamic drafts: score only this many tokens in the draft's LM head
-    # (calibration/vocab.py); None = the full head. The default, by measurement on SmolLM2
+    # (build/gates/vocab.py); None = the full head. The default, by measurement on SmolLM2
     # (8 prompts x 128 tokens, 2 cores, k=4): N=16384 / 32768 cover 94.3% / 98.0% of
     # held-out target tokens but cut acceptance 91% -> 76% / 82% and tokens per verify pass
     # 4.61 -> 4.01 / 4.27, while the draft step did not measurably shrink (22-24 ms each):
     # speculative x1.95 over plain with the full head, x1.44 / x1.42 trimmed
     draft_vocab: int | None = None
     # targets with a two-row decode graph (int8/int4): generate this many tokens of the target's
-    # own greedy text on the calibration prompts and ship its n-gram table (calibration/ngrams.py),
+    # own greedy text on the calibration prompts and ship its n-gram table (build/gates/ngrams.py),
     # the pair rounds' guesses where prompt lookup has none; 0 = no table
     ngram_tokens: int = 8192
 
@@ -156,7 +158,7 @@ class BuildConfig:
                 f"--precision {self.precision} with --backend {b}: int8/int4 targets are ONNX Runtime CPU "
                 f"MatMulNBits graphs; the {b} build exports fp16 graphs from an fp32 target (leave --precision "
                 "at fp32). INT8 TensorRT engines come from the symmetric Q/DQ graphs of `specrt qdq` (run on an "
-                "fp32 `--attention standard` build), built into engines by specrt.engines.tensorrt.build_engines")
+                "fp32 `--attention standard` build), built into engines by specrt.engines.trt_build.build_engines")
 
     def resolved(self, backend: str | None = None) -> "BuildConfig":
         """This config for one concrete backend (`backend` replaces "auto"), with the backend's
@@ -164,7 +166,7 @@ class BuildConfig:
         b = backend or self.backend
         if b == "auto":
             raise ConfigError("backend 'auto' must be resolved against the machine first "
-                              "(specrt.engines.select.select_backend)")
+                              "(specrt.build.backend.resolve)")
         if b not in BACKEND_SPECS:
             raise ConfigError(f"backend={b!r}; choose one of {', '.join(BACKENDS)}")
         spec = BACKEND_SPECS[b]
@@ -221,3 +223,35 @@ PRESETS = {
     "smollm2-plain": BuildConfig(target=DEFAULT_MODEL, out="artifacts/smollm2-plain", draft="none"),
     "smollm2-truncated": BuildConfig(target=DEFAULT_MODEL, out="artifacts/smollm2-trunc6", draft="truncate:6"),
 }
+
+
+def config_for(preset: str | None = None, *, target: str | None = None, out: str | None = None,
+               **overrides) -> BuildConfig:
+    """The config a user asked for: a preset with overrides (None leaves a field as it is), or a
+    target and an output folder. A preset writes an int8/int4 target to <preset out>-<precision>
+    and a GPU backend's engines to <preset out>-<backend>, beside the fp32 CPU engines."""
+    if not preset:
+        if not (target and out):
+            raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
+        return BuildConfig(target=target, out=out).with_(**overrides)
+    if preset not in PRESETS:
+        raise SpecrtError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base = PRESETS[preset]
+    precision, backend = overrides.get("precision"), overrides.get("backend")
+    if not out and precision not in (None, "fp32"):   # keep the fp32 reference engines where they are
+        out = f"{base.out}-{precision}"
+    if not out and backend not in (None, "ort-cpu"):   # and the CPU engines: <preset out>-<backend>
+        out = f"{base.out}-{backend}"
+    return base.with_(target=target or preset_model(base.target), out=out, **overrides)
+
+
+def preset_model(rel: str) -> str:
+    """A preset's model path is relative to the specrt checkout (where `make model` puts it):
+    found from any working folder when specrt is installed from the checkout."""
+    if Path(rel).exists():
+        return rel
+    checkout = Path(__file__).resolve().parents[2] / rel
+    if checkout.exists():
+        return str(checkout)
+    raise SpecrtError(f"the preset's model {rel} is not here or in the specrt checkout: run `make model` in the "
+                      "checkout (or `make engines`), run the build from the checkout, or pass --target PATH")

@@ -1,5 +1,5 @@
 """`specrt qdq`: an engine folder whose target is the calibrated INT8 Q/DQ copy of an fp32
-folder's target (qdq.py), runnable like any `specrt build` output.
+folder's target (calibration/qdq.py), runnable like any `specrt build` output.
 
     ENGINES/ (fp32, checked: manifest, files, hashes)          DIR/ (through outdir.py)
       target/{prefill,decode,verify}.onnx ──calibrate, quantize──> target/*.onnx + weights.bin
@@ -7,7 +7,7 @@ folder's target (qdq.py), runnable like any `specrt build` output.
       tokenizer.json ──────────────── copy ─────────────────────> tokenizer.json
       draft/* ──────── copy; its agreement with ────────────────> draft/*
                        the Q/DQ target measured again
-                                                                   manifest.json (engines/ort_cpu.write_manifest)
+                                                                   manifest.json (manifest_writer.py)
 
 The Q/DQ target keeps the fp32 target's dims, KV dtype, layout and update mode (attention
 and the cache stay float), so a draft that reads the target's cache still can: checked,
@@ -32,7 +32,6 @@ from specrt.calibration.qdq import QDQRuleError, QDQSpec, check_rules, collect_r
 from specrt.errors import BuildOutputError, ConfigError, ParityError
 
 PRECISION = "int8-qdq"
-IDENTITY_PROMPTS = 4          # as the build's identity check (pipeline._prompt_ids)
 # what the cache-sharing draft reads of the target's cache: these must not change
 _CACHE_DIMS = ("layers", "kv_heads", "head_dim")
 _CACHE_KV = ("dtype", "layout", "update")
@@ -43,11 +42,11 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
     """Calibrate, quantize, check and measure the target of the fp32 folder `engines`;
     write the engine folder `out` (replacing a previous specrt folder there; another
     folder only with force=True). Returns its manifest."""
-    from specrt import outdir
+    from specrt.build import manifest_writer, outdir
+    from specrt.build.steps import GATE_PROMPTS
     from specrt.calibration.quantize import quiet_logging
-    from specrt.engines import ort_cpu
-    from specrt.export import weights as wpack
     from specrt.driver import GraphSet
+    from specrt.export import weights as wpack
     from specrt.runtime.backends.ort_cpu import pool_threads
 
     t0 = time.time()
@@ -66,7 +65,7 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
     limit = shapes.max_context - spec.decode_steps - shapes.k - 1
     cal_ids, eval_ids = tokenize(engines, man, cal_texts, limit), tokenize(engines, man, eval_texts, limit)
     from specrt.prompts import PROMPTS
-    id_ids = tokenize(engines, man, list(PROMPTS[:IDENTITY_PROMPTS]), shapes.prefill_chunk)
+    id_ids = tokenize(engines, man, list(PROMPTS[:GATE_PROMPTS]), shapes.prefill_chunk)
     tmp = outdir.make_partial(path)
     try:
         work = Path(tempfile.mkdtemp(prefix="specrt-qdq-"))
@@ -118,12 +117,12 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
         build = {"command": "specrt qdq", "config": {**asdict(spec), "source_engines": str(engines)},
                  "timing": timing}
         if (man.build or {}).get("speculation") and "draft" in parts:   # adaptive k starts from these costs
-            from specrt.calibration import plan
+            from specrt.build.gates import plan
             d = parts["draft"]
             costs = plan.step_costs(qdir, part, tmp / d["subdir"], d, shapes)
             build["speculation"] = plan.plan(costs, d["parity"]["agreement_with_target"]["top1_agreement"], shapes.k)
         build["seconds"] = round(time.time() - t0, 1)
-        result = ort_cpu.write_manifest(tmp, shapes, parts, tok, build, device=mf.this_device())
+        result = manifest_writer.write_manifest(tmp, shapes, parts, tok, build, device=mf.this_device())
         outdir.commit(tmp, path)
     finally:
         outdir.discard(tmp)        # a failed run leaves nothing behind; `out` is untouched
@@ -165,7 +164,7 @@ def _refuse_overlap(engines: Path, path: Path, out) -> None:
 
 def decode_graph(verify: onnx.ModelProto, rows: int) -> onnx.ModelProto:
     """The decode graph of a Q/DQ target: a copy of the quantized verify graph (T=k+1) behind
-    a one-token interface (calibration/rows.py: k padding rows, row 0 kept).
+    a one-token interface (build/gates/rows.py: k padding rows, row 0 kept).
 
     A Q/DQ graph exported for T=1 or T=2 rounds some rows differently from the T=k+1 graph
     (ONNX Runtime CPU picks other kernels for other row counts; a float difference of ~1e-5
@@ -174,7 +173,7 @@ def decode_graph(verify: onnx.ModelProto, rows: int) -> onnx.ModelProto:
     0 flips and every row bit for bit, at ~1.1x the T=1 step (82 vs 90 ms, verify 100 ms)."""
     from onnx import helper
 
-    from specrt.calibration.rows import one_token_interface
+    from specrt.build.gates.rows import one_token_interface
     copy = onnx.ModelProto()
     copy.CopyFrom(verify)
     g = copy.graph
@@ -192,10 +191,10 @@ def decode_graph(verify: onnx.ModelProto, rows: int) -> onnx.ModelProto:
 
 
 def check_identity(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list[list[int]]) -> dict:
-    """The build's greedy-identity check (pipeline._check_identity) on the Q/DQ target: every
+    """The build's greedy-identity check (build/cpu.py _check_identity) on the Q/DQ target: every
     verify row must pick the decode row's token, or greedy speculation would not reproduce
     plain decoding. Refuses with a ParityError otherwise."""
-    from specrt.calibration import identity
+    from specrt.build.gates import identity
     r = identity.decode_verify_agreement(model_dir, part, shapes, prompts)
     r["plain_decoding"] = (f"the decode graph: the verify graph's T={shapes.k + 1} kernels behind a one-token "
                            f"interface; speculation verifies with the verify graph (T={shapes.k + 1})")
@@ -226,7 +225,7 @@ def copy_tokenizer(man: mf.Manifest, engines: Path, out: Path) -> dict:
 def copy_draft(man: mf.Manifest, engines: Path, out: Path, target: dict, prompts: list[list[int]]) -> dict:
     """The source's draft files copied into `out` under the same names, as a manifest part;
     its agreement with the Q/DQ target is measured again (what acceptance now follows)."""
-    from specrt.calibration import measure
+    from specrt.build.gates import measure
     d = man.draft
     sub = Path(d.weights["file"]).parent
     files = [d.weights["file"], *(g.file for g in d.graphs.values())]
