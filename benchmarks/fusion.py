@@ -183,7 +183,7 @@ def report(cases: list[Case], times: dict) -> list[dict]:
 def profile_table(cases: list[Case], runs: int, top: int) -> None:
     """Per graph: operator time per run of each case (profiler on: compare shares and
     differences, not absolute milliseconds)."""
-    from specrt.profile import summarize
+    from specrt.tools.op_profile import summarize
     interleave(cases, runs, warmup=0)
     for g in GRAPHS:
         for c in cases:

@@ -30,7 +30,7 @@ from specrt.errors import (
     SamplingParamsError,
 )
 from specrt.runtime import SpeculativeGenerator
-from specrt.runtime.ort_backend import configure_threads
+from specrt.runtime.backends.ort_cpu import configure_threads
 
 N = 24   # tokens per generation: several speculative iterations
 
@@ -260,11 +260,11 @@ def _one_error_line(capsys, *words) -> str:
 
 
 def _no_bench(monkeypatch):
-    import specrt.bench
+    import specrt.tools.bench
 
     def boom(*a, **k):
         raise AssertionError("bench ran before its arguments were checked")
-    monkeypatch.setattr(specrt.bench, "run_bench", boom)
+    monkeypatch.setattr(specrt.tools.bench, "run_bench", boom)
 
 
 @pytest.mark.parametrize("extra, words", [

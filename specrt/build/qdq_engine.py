@@ -129,6 +129,28 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
     return result
 
 
+def summary(man: mf.Manifest, out: str | Path) -> str:
+    """What `specrt qdq` prints about the folder it wrote: the rules check, each graph's
+    agreement with fp32 and step cost, the decode/verify identity, the draft's agreement."""
+    t = man.target
+    rules, par, idn = t.source["quantization"]["rules"], t.parity["agreement_with_fp32"], t.parity["identity"]
+    timing = man.build["timing"]["graphs"]
+    lines = [f"wrote {out} ({t.precision} target, engine folder): TensorRT Q/DQ rules "
+             f"{'passed' if rules['passed'] else 'FAILED'} ({rules['dequantize_nodes']} DequantizeLinear nodes)"]
+    for g, r in par["graphs"].items():
+        s = timing[g]
+        lines.append(f"  {g:8s} top-1 {r['top1_agreement']:.3f}  mean KL {r['mean_kl']:.4f}  max|dlogit| "
+                     f"{r['max_abs_logit_delta']:.3g}  step {s['qdq_ms']:.2f} ms vs fp32 {s['fp32_ms']:.2f} ms")
+    lines.append(f"  all      top-1 {par['top1_agreement']:.3f} over {par['positions']} held-out positions")
+    lines.append(f"  identity decode vs verify: {idn['argmax_flips']} argmax flips in {idn['rows']} rows, "
+                 f"{idn['bitwise_equal_rows']} bit for bit")
+    if man.draft is not None:
+        ag = man.draft.parity["agreement_with_target"]
+        lines.append(f"  draft    {man.draft.precision}, top-1 agreement with the Q/DQ target "
+                     f"{ag['top1_agreement']:.3f}")
+    return "\n".join(lines)
+
+
 def _how(spec: QDQSpec, shapes: mf.Shapes, rules: dict, ranges: dict, counts: dict, prompts: int,
          source: str) -> dict:
     """The manifest's `models.target.source.quantization`: settings, rules check, decode

@@ -115,7 +115,7 @@ def test_quality_table_fp32_against_itself_and_int4(tiny_builds, tmp_path, capsy
     assert rc == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
-    from specrt.calibration.quality import FIELDS
+    from specrt.tools.quality import FIELDS
     ref_row, q_row = report["variants"]
     for row in (ref_row, q_row):
         assert set(FIELDS) <= set(row)
@@ -134,7 +134,7 @@ def test_quality_table_fp32_against_itself_and_int4(tiny_builds, tmp_path, capsy
 
 def test_int4_disagrees_somewhere_on_more_prompts(tiny_builds):
     """Random tiny weights quantized to 4 bits: some argmax moves on a few dozen positions."""
-    from specrt.calibration.quality import quality_table
+    from specrt.tools.quality import quality_table
     fp32, int4 = tiny_builds
     report = quality_table([int4], fp32, SHORT, new_tokens=16, timing_rounds=1, out=None)
     (row,) = report["variants"]
@@ -143,7 +143,7 @@ def test_int4_disagrees_somewhere_on_more_prompts(tiny_builds):
 
 
 def test_quality_refuses_prompts_that_leave_no_room(tiny_builds):
-    from specrt.calibration.quality import quality_table
+    from specrt.tools.quality import quality_table
     fp32, _ = tiny_builds
     with pytest.raises(ConfigError, match="leaves room"):
         quality_table([fp32], fp32, ["x" * 200], new_tokens=8, out=None)

@@ -207,7 +207,7 @@ def test_tensorrt_build_exports_fp16_standard_graphs_checked_against_fp32(trt_bu
 
 
 def test_inspect_shows_backend_device_and_engines(trt_build, cuda_build):
-    from specrt.inspect import describe
+    from specrt.tools.describe import describe
     text = describe(mf.load(trt_build[0]))
     assert "device     tensorrt on cuda" in text and "backend    tensorrt (requested; TensorRT 11.1.0.106" in text
     assert "engines    TensorRT 11.1.0.106 on NVIDIA H200 (compute capability 9.0)" in text

@@ -126,6 +126,14 @@ def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens:
     lookup = lookup if sampling.greedy else 0
     folders = [str(engines)] if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence) \
         else [str(e) for e in engines]
+    if not sampling.greedy:    # without a draft, the speculative column is prompt lookup: greedy only
+        from specrt import manifest as mf
+        from specrt.errors import ConfigError
+        for e in folders:
+            if mf.load(e).draft is None:
+                raise ConfigError(f"{e} was built without a draft model (--draft none): there its speculative "
+                                  "column is prompt lookup, which is greedy only: bench it with --temperature 0, "
+                                  "or rebuild with a draft (`specrt build ... --draft int8`)")
     texts = (PROMPTS * (1 + prompts // len(PROMPTS)))[:prompts]
     variants = []
     for folder in folders:                   # load and warm one at a time: each one's RSS is its own growth

@@ -183,6 +183,22 @@ def quality_table(engines: Sequence[str | Path], reference: str | Path, prompts:
     return report
 
 
+def held_out_quality(engines: Sequence[str | Path], reference: str | Path, *, prompt_file: str | None = None,
+                     n_eval: int = 16, new_tokens: int = 32, threads: int = 2,
+                     out: Callable[[str], None] | None = print) -> dict:
+    """`specrt quality`: quality_table on the first n_eval held-out prompts of a prompt file
+    (dataset.split; default: the shipped set), the report naming the file and its prompts by id."""
+    from specrt.calibration.dataset import load_prompts, split
+    held_out = split(load_prompts(prompt_file))[1][:n_eval]
+    report = quality_table(engines, reference, [p.text for p in held_out], new_tokens=new_tokens, threads=threads,
+                           out=out)
+    report["prompt_file"] = prompt_file or "shipped (specrt/calibration/data/prompts.jsonl)"
+    report["prompt_ids"] = [p.id for p in held_out]
+    for row in report["variants"]:
+        row["greedy_mismatch_ids"] = [held_out[i].id for i in row["greedy_mismatch_prompts"]]
+    return report
+
+
 def format_table(report: dict) -> str:
     n = max([len("engines")] + [len(r["engines"]) for r in report["variants"]])
     head = (f"{'engines':<{n}} {'precision':<13} {'top-1':>6} {'mean KL':>9} {'max|dlogit|':>11} "
