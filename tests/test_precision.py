@@ -117,7 +117,7 @@ def test_one_token_interface_keeps_row_zero_of_a_two_row_graph(tmp_path, tiny_pa
 
     from specrt.build.gates.rows import one_token_interface
     from specrt.export import onnx_export, sources
-    from specrt.runtime.ort_backend import session_options
+    from specrt.runtime.backends.ort_cpu import session_options
 
     lm = sources.load_source(str(tiny_pair[0]))
     onnx_export.export_graph(onnx_export.build_module(lm, 2, 40, attention="gqa"), tmp_path / "t2.onnx")

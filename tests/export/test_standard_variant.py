@@ -71,7 +71,7 @@ def test_cache_is_updated_in_place_when_past_and_present_share_a_buffer(standard
     window are left alone."""
     import onnxruntime as ort
 
-    from specrt.runtime.ort_backend import session_options
+    from specrt.runtime.backends.ort_cpu import session_options
 
     directory, part = standard_llama
     so = session_options(2)    # the runtime's (the process may already own a global thread pool)

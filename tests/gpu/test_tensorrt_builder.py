@@ -242,7 +242,7 @@ def test_build_engines_writes_every_plan_and_the_engine_fields_into_the_manifest
     settings = trt_engines.BuilderSettings(hardware_compatibility="same_compute_capability")
     b = trt_engines.TensorRTBuilder(settings, tmp_path / "timing.cache", trt=fake)
     out = tmp_path / "trt"
-    result = trt_engines.build_engines(standard_build, out, settings, builder=b, gpu=H200)
+    result = trt_build.build_engines(standard_build, out, settings, builder=b, gpu=H200)
     assert not (out / "tensorrt.json").exists() and not (standard_build / "tensorrt.json").exists()
     man = mf.load(out)                       # the ONNX build copied, plus the engine fields
     onnx_man = mf.load(standard_build)
@@ -386,7 +386,7 @@ def test_a_symmetric_qdq_graph_is_accepted_runs_on_ort_and_builds_without_int8_f
     model = _qdq_graph()
     assert trt_engines.qdq_problems(model) == []
     onnx.save(model, str(tmp_path / "qdq.onnx"))
-    from specrt.runtime.ort_backend import session_options
+    from specrt.runtime.backends.ort_cpu import session_options
     sess = ort.InferenceSession(str(tmp_path / "qdq.onnx"), session_options(2), providers=["CPUExecutionProvider"])
     x = np.linspace(-1, 1, 8, dtype=np.float32)[None]
     assert sess.run(None, {"x": x})[0].shape == (1, 4)
