@@ -4,7 +4,7 @@ runtime checks before it loads one.
 GPU-ONLY, NOT YET RUN ON A GPU. TensorRT cannot be installed on the machines this was
 written on; the TensorRT calls below follow the TensorRT 11 Python API (strongly typed
 networks, no precision flags) and are unit-tested against a fake `tensorrt` module
-(tests/gpu/test_tensorrt_builder.py), never against TensorRT itself. What is tested for
+(tests/gpu_fakes/test_tensorrt_builder.py), never against TensorRT itself. What is tested for
 real on CPU: the plan (which engines, their static shapes), the builder settings, the
 manifest fields, the timing-cache reuse and the refusal logic.
 

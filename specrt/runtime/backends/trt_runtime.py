@@ -5,7 +5,7 @@ device {"backend": "tensorrt", "kind": "cuda"}.
 
 GPU-ONLY, NOT YET RUN ON A GPU: TensorRT cannot be installed where this was written. The
 calls follow the TensorRT 11 Python API (GPU.md B6) and are tested against a fake
-`tensorrt` module and a fake cudart (tests/gpu/test_trt_runtime.py); the buffer plan,
+`tensorrt` module and a fake cudart (tests/gpu_fakes/test_trt_runtime.py); the buffer plan,
 lifecycle and refusals are the same code the CPU tests run.
 
     activate: trt.Runtime ─ deserialize_cuda_engine(plan) ─ create_execution_context

@@ -1,6 +1,7 @@
 """Import hygiene of the GPU backends: importing the runtime registers ort-cuda and tensorrt
 without importing their modules, and importing those modules pulls in neither tensorrt,
-cuda-python, torch, transformers, nor the build stages (export, engines, calibration)."""
+cuda-python, torch, transformers, nor the build side (export, engines, calibration, build, the
+graph driver, the tools, the CLI)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +9,8 @@ import sys
 import textwrap
 
 BLOCKED = ("torch", "transformers", "tensorrt", "cuda")
-BUILD = ("specrt.export", "specrt.engines", "specrt.calibration")
+BUILD = ("specrt.export", "specrt.engines", "specrt.calibration", "specrt.build", "specrt.driver", "specrt.tools",
+         "specrt.cli")
 
 
 def _run(body: str) -> subprocess.CompletedProcess:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +187,21 @@ def test_a_draft_reading_a_cache_of_another_shape_is_refused(tiny_self_engines, 
     target = {"dims": man.target.dims, "kv": {**man.target.kv, "dtype": "float16"}}
     with pytest.raises(ConfigError, match="dtype"):
         qdq_engine.copy_draft(man, tiny_self_engines, tmp_path, target, [[1, 2, 3]])
+
+
+def test_specrt_qdq_runs_without_importing_torch_or_transformers(tiny_self_engines, tmp_path):
+    """`specrt qdq` works on ONNX folders only: the whole command, through the CLI, in a fresh
+    process, never loads torch (nor transformers, which would load it)."""
+    out = tmp_path / "qdq"
+    code = textwrap.dedent(f"""
+        import sys
+        from specrt.cli import main
+        rc = main(["qdq", {str(tiny_self_engines)!r}, "--out", {str(out)!r}, "--prompts", "1",
+                   "--eval-prompts", "1", "--decode-steps", "2", "--quiet"])
+        print("rc", rc, sorted(m for m in sys.modules if m.split('.')[0] in ("torch", "transformers")))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "rc 0 []", r.stdout[-2000:]
+    assert mf.load(out).target.precision == "int8-qdq"
