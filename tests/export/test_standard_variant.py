@@ -131,9 +131,9 @@ def test_the_torch_module_runs_eagerly_and_matches_transformers(tmp_path):
 
 @pytest.fixture(scope="module")
 def standard_engines(tmp_path_factory, tiny_pair):
-    from gpu.standard_build import build_standard
+    from conftest import build_tiny
     target, draft = tiny_pair
-    return build_standard(tmp_path_factory.mktemp("eng") / "standard", target, str(draft))
+    return build_tiny(tmp_path_factory.mktemp("eng") / "standard", target, str(draft), attention="standard")
 
 
 @pytest.fixture(scope="module")

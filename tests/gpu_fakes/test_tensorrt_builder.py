@@ -129,9 +129,9 @@ def fake_tensorrt(calls: list, *, parse_ok: bool = True, build_ok: bool = True, 
 @pytest.fixture(scope="module")
 def standard_build(tmp_path_factory, tiny_pair) -> Path:
     """A real ONNX build of the tiny pair, standard-op graphs (target: 3 graphs, draft: 2)."""
-    from standard_build import build_standard
+    from conftest import build_tiny
     target, draft = tiny_pair
-    return build_standard(tmp_path_factory.mktemp("trt") / "onnx", target, str(draft))
+    return build_tiny(tmp_path_factory.mktemp("trt") / "onnx", target, str(draft), attention="standard")
 
 
 def _builder(tmp_path, calls, **kw):
