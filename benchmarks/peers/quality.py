@@ -5,7 +5,7 @@ Per held-out prompt (chat template), specrt's fp32 target decodes greedily for N
 (stopping after an EOS); every variant is then teacher-forced on those tokens (its N rows
 of logits: top-1 agreement, KL(fp32 || variant), max |delta logit|) and run free (its own
 greedy output == the fp32 tokens: exact match). specrt's rows use specrt's own functions
-(calibration.quality); onnxruntime-genai's rows come from its worker, which feeds the prompt
+(tools.quality); onnxruntime-genai's rows come from its worker, which feeds the prompt
 and then one token at a time through onnxruntime-genai's Generator and returns the logits
 of each step, the same rows specrt's teacher forcing reads (prefill, then T=1 steps).
 genai fp32 is a check of this harness: it should agree with specrt fp32 almost exactly.
@@ -24,7 +24,7 @@ GENAI_ROWS = ("genai-int4", "genai-fp32")
 
 
 def quality(a) -> dict:
-    from specrt.calibration.quality import _greedy, _reference_run, _teacher_forced, kl_rows
+    from specrt.tools.quality import _greedy, _reference_run, _teacher_forced, kl_rows
     from specrt.runtime import SpeculativeGenerator
 
     for name in (REFERENCE, *SPECRT_ROWS, *GENAI_ROWS):

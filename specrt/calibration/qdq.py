@@ -39,6 +39,7 @@ from onnx import numpy_helper
 
 from specrt import manifest as mf
 from specrt.calibration.qdq_rules import QDQRuleError, check_rules, rule_problems  # noqa: F401
+from specrt.driver import GraphSet, Greedy, encode_prompts, greedy_steps
 from specrt.errors import ConfigError
 
 GRAPHS = ("prefill", "decode", "verify")
@@ -118,33 +119,21 @@ def _feed(gs, graph: str, ids: list[int], start: int) -> dict:
     return feed
 
 
-def _prefill(gs, ids: list[int], chunk: int, yield_feeds: bool):
-    for lo in range(0, len(ids), chunk):
-        part = ids[lo:lo + chunk]
-        if yield_feeds:
-            yield _feed(gs, "prefill", part, lo)
-        last = gs.step("prefill", part, lo)[-1]
-    return int(last.argmax())
-
-
 def regime_feeds(gs, graph: str, token_lists: list[list[int]], shapes: mf.Shapes, steps: int, seqs: dict):
     """Feeds for `graph`'s calibration, in the regime that graph serves:
     prefill: every chunk of each prompt; decode: `steps` greedy steps after the prompt (the
     continuation is stored in seqs[i]); verify: k+1 windows over that continuation."""
     width = shapes.k + 1
     for i, ids in enumerate(token_lists):
-        for c in gs.cache:
-            c[...] = 0
-        P = len(ids)
-        first = yield from _prefill(gs, ids, shapes.prefill_chunk, graph == "prefill")
+        gs.reset()
+        run = Greedy()
+        for step, step_ids, start in greedy_steps(gs, ids, steps + 1 if graph == "decode" else 1, run):
+            if step == graph:
+                yield _feed(gs, step, step_ids, start)
         if graph == "decode":
-            seq = [first]
-            for j in range(steps):
-                yield _feed(gs, "decode", seq[j:j + 1], P + j)
-                seq.append(int(gs.step("decode", seq[j:j + 1], P + j)[0].argmax()))
-            seqs[i] = seq
+            seqs[i] = run.tokens                          # [steps + 1]: the prompt's greedy continuation
         elif graph == "verify":
-            seq = seqs[i]
+            seq, P = seqs[i], len(ids)
             for lo in range(0, steps, width):
                 window = seq[lo:min(lo + width, steps)]
                 yield _feed(gs, "verify", window, P + lo)
@@ -171,7 +160,6 @@ def collect_ranges(src: Path, graphs: dict, dims: dict, shapes: mf.Shapes, token
     from onnxruntime.quantization.calibrate import MinMaxCalibrater
 
     from specrt.calibration.quantize import quiet_logging
-    from specrt.export.parity import GraphSet
     from specrt.runtime.backends.ort_cpu import session_options
 
     gs = GraphSet(src, graphs, dims, shapes.kv_capacity, threads=threads)
@@ -257,12 +245,6 @@ def prompt_sets(n_cal: int, n_eval: int) -> tuple[list[str], list[str], str]:
 
 
 def tokenize(engines: Path, man: mf.Manifest, texts: list[str], limit: int) -> list[list[int]]:
-    """Chat-formatted ids of each text, cut to `limit` tokens."""
+    """Chat-formatted ids of each text (driver.encode_prompts), cut to `limit` tokens."""
     from specrt.runtime.tokenizer import Tokenizer
-    tok = Tokenizer(engines, man.tokenizer)
-    out = []
-    for t in texts:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) \
-            if tok.chat_template else tok.encode(t)
-        out.append([int(i) for i in ids[:limit]] or [0])
-    return out
+    return [ids[:limit] or [0] for ids in encode_prompts(Tokenizer(engines, man.tokenizer), texts)]

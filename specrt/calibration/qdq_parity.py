@@ -11,6 +11,7 @@ import numpy as np
 
 from specrt import manifest as mf
 from specrt.calibration.qdq import GRAPHS
+from specrt.driver import greedy
 from specrt.errors import ParityError
 
 
@@ -49,12 +50,10 @@ def parity(ref_gs, q_gs, token_lists: list[list[int]], shapes: mf.Shapes,
         P = len(ids)
         for c in ref_gs.cache:
             c[...] = 0
-        rows = [ref_gs.step("prefill", ids[lo:lo + C], lo) for lo in range(0, P, C)]
-        seq = list(ids) + [int(rows[-1][-1].argmax())]
-        for j in range(steps):
-            rows.append(ref_gs.step("decode", seq[P + j:P + j + 1], P + j))
-            seq.append(int(rows[-1][0].argmax()))
-        ref = np.concatenate(rows)                            # [P + steps, V]: positions 0 .. P+steps-1
+        run = greedy(ref_gs, ids, steps + 1, keep_rows=True, keep_prompt_rows=True)
+        seq = list(ids) + run.tokens
+        # [P + steps, V]: positions 0 .. P+steps-1 (the prompt's rows, then the decode steps' rows)
+        ref = np.concatenate([run.prompt_rows, *(r[None] for r in run.rows[1:])])
         for g in [g for g in ("prefill", "decode", "verify") if g in graphs]:
             for c in q_gs.cache:
                 c[...] = 0

@@ -4,7 +4,7 @@ runtime checks before it loads one.
 GPU-ONLY, NOT YET RUN ON A GPU. TensorRT cannot be installed on the machines this was
 written on; the TensorRT calls below follow the TensorRT 11 Python API (strongly typed
 networks, no precision flags) and are unit-tested against a fake `tensorrt` module
-(tests/gpu/test_tensorrt_builder.py), never against TensorRT itself. What is tested for
+(tests/gpu_fakes/test_tensorrt_builder.py), never against TensorRT itself. What is tested for
 real on CPU: the plan (which engines, their static shapes), the builder settings, the
 manifest fields, the timing-cache reuse and the refusal logic.
 
@@ -21,11 +21,11 @@ manifest fields, the timing-cache reuse and the refusal logic.
 
 Precision is the graph's: an fp16 graph (export precision="fp16") gives an fp16 engine;
 an INT8 engine comes from a graph with symmetric Q/DQ nodes. TensorRT 11 has no FP16/INT8
-builder flags. `import tensorrt` happens only inside `load_tensorrt()`.
+builder flags. `import tensorrt` happens only inside `load_tensorrt()` (the runtime's loader);
+`trt_build.py` builds every engine of a folder and writes their fields into its manifest.
 """
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,27 +40,31 @@ TRT_PRECISIONS = ("fp32", "fp16", "int8-qdq")
 
 
 def load_tensorrt():
-    """The `tensorrt` module, or TensorRTMissingError saying what is missing."""
+    """The `tensorrt` module (imported by the runtime's loader, the only one), or
+    TensorRTMissingError saying what is missing."""
+    from specrt.runtime.backends.trt_runtime import load_tensorrt as import_tensorrt
     try:
-        return importlib.import_module("tensorrt")
-    except ImportError as e:
+        return import_tensorrt()
+    except ImportError as e:   # the runtime's TensorRTUnavailableError; its cause is the import's own error
         raise TensorRTMissingError(
-            f"TensorRT is not installed ({e}): TensorRT engines need the `tensorrt` Python package (TensorRT 11, "
-            "CUDA 13) and an NVIDIA GPU; install it on the GPU machine, or use --backend ort-cpu / ort-cuda") from None
+            f"TensorRT is not installed ({e.__context__ or e}): TensorRT engines need the `tensorrt` Python package "
+            "(TensorRT 11, CUDA 13) and an NVIDIA GPU; install it on the GPU machine, or use --backend ort-cpu / "
+            "ort-cuda") from None
 
 
 def gpu_identity(device: int = 0) -> dict:
-    """{"gpu_name", "compute_capability"} of a CUDA device, through cuda-python (GPU-only)."""
+    """{"gpu_name", "compute_capability"} of a CUDA device, through the runtime's cuda-python
+    loader (GPU-only)."""
+    from specrt.runtime.backends.cuda_device import gpu_identity as identify, load_cudart
     try:
-        from cuda.bindings import runtime as cudart
+        cudart = load_cudart()
     except ImportError as e:
-        raise TensorRTMissingError(f"cuda-python is not installed ({e}): `pip install cuda-python` on the GPU "
-                                   "machine (TensorRT engines are built and run on the GPU)") from None
-    err, prop = cudart.cudaGetDeviceProperties(device)
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise TensorRTMissingError(f"no usable CUDA device {device} ({err}): TensorRT engines need an NVIDIA GPU")
-    name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
-    return {"gpu_name": name.rstrip("\x00"), "compute_capability": f"{prop.major}.{prop.minor}"}
+        raise TensorRTMissingError(f"cuda-python is not installed ({e.__context__ or e}): `pip install cuda-python` "
+                                   "on the GPU machine (TensorRT engines are built and run on the GPU)") from None
+    gpu = identify(cudart, device)
+    if gpu is None:
+        raise TensorRTMissingError(f"no usable CUDA device {device}: TensorRT engines need an NVIDIA GPU")
+    return gpu
 
 
 # --- the plan (pure; tested on CPU) ------------------------------------------------------
@@ -282,13 +286,3 @@ def check_engine_compat(fields: dict, here: dict) -> list[str]:
         return trt_compat.check_engine_compat(fields, here)
     except trt_compat.EngineMismatchError as e:
         raise EngineCompatError(str(e)) from None
-
-
-# --- the whole build ----------------------------------------------------------------------
-
-def build_engines(onnx_dir: Path, out_dir: Path | None = None, settings: BuilderSettings = BuilderSettings(),
-                  **kw) -> dict:
-    """Engines for an existing `--attention standard` ONNX build, their fields written into
-    manifest.json: see engines/trt_build.py (kept here for scripts/gpu_check.py)."""
-    from specrt.engines import trt_build
-    return trt_build.build_engines(onnx_dir, out_dir, settings, **kw)

@@ -1,6 +1,6 @@
 """The engine fields of a TensorRT build, written into manifest.json.
 
-GPU-ONLY, NOT YET RUN ON A GPU (tested with a fake `tensorrt`, tests/gpu/test_build_backend.py
+GPU-ONLY, NOT YET RUN ON A GPU (tested with a fake `tensorrt`, tests/gpu_fakes/test_build_backend.py
 and test_tensorrt_builder.py).
 
     ONNX manifest (fp16 or fp32 `standard` graphs, or `specrt qdq` INT8 Q/DQ graphs)

@@ -135,7 +135,7 @@ class StaticDecoder(nn.Module):
             # CUDA graphs: GroupQueryAttention reads total_sequence_length on the host, so a value
             # computed on the device would be frozen into a captured graph (or force a sync). A
             # constant M (the buffer length) with the real length in seqlens_k, as onnxruntime-genai
-            # does; same results on ORT CPU (tests/gpu/test_fp16.py).
+            # does; same results on ORT CPU (tests/gpu_fakes/test_fp16.py).
             total = torch.tensor(self.M, dtype=torch.int32)
         rope = (self.cos_cache, self.sin_cache) if self.spec.positions == "rope" else None
         present = []

@@ -82,7 +82,7 @@ def fuses(module: StaticDecoder) -> bool:
 def export_graph(module: StaticDecoder, path: Path) -> dict:
     """Export one graph to `path` (+ `path`.data). Returns its fusions (export/fuse.py), empty
     where the variant is not fused. Every caller (export_model, the int8-compute decode graph
-    of calibration/rows.py) gets the same graph for the same module."""
+    of build/gates/rows.py) gets the same graph for the same module."""
     d, T, M = module.dims, module.T, module.M
     args = (torch.zeros(1, T, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
             *[torch.zeros(1, d.kv_heads, M, d.head_dim, dtype=module.dtype) for _ in range(2 * d.layers)])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from specrt import manifest as mf
-from specrt.runtime.ort_backend import MEMORY_MODES
+from specrt.runtime import MEMORY_MODES
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.serve.errors import ServeConfigError
 from specrt.serve.metrics import ServerMetrics

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specrt import manifest as mf
 from specrt.errors import SpecrtError
-from specrt.runtime.ort_backend import MEMORY_MODES
+from specrt.runtime import MEMORY_MODES
 
 MODEL_PY = Path(__file__).with_name("triton_model.py")
 

@@ -11,7 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt import manifest as mf
-from specrt.calibration import qdq, qdq_engine, qdq_rules
+from specrt.build import qdq_engine
+from specrt.calibration import qdq, qdq_rules
 from specrt.errors import ConfigError, SpecrtError
 
 SMALL = qdq.QDQSpec(prompts=3, eval_prompts=2, decode_steps=6)

@@ -88,7 +88,7 @@ def test_other_families_fuse_and_stay_within_tolerance(tmp_path, family, kw):
 
 def test_the_int8_compute_decode_graph_is_fused_like_the_others(llama, tmp_path):
     """The quantized target's decode graph is exported for T=2 by export_graph directly
-    (calibration/rows.py): it must be fused as the verify graph is, or the two paths round
+    (build/gates/rows.py): it must be fused as the verify graph is, or the two paths round
     differently."""
     _, lm = llama
     found = onnx_export.export_graph(onnx_export.build_module(lm, 2, SHAPES.kv_capacity, attention="gqa"),
@@ -116,7 +116,7 @@ def test_standard_and_portable_variants_are_untouched(llama, tmp_path, monkeypat
 
 def test_fusions_survive_int4_quantization(fused_and_unfused, tmp_path):
     from specrt.calibration import quantize
-    from specrt.config import PRECISIONS
+    from specrt.build.config import PRECISIONS
     src, _, part, _ = fused_and_unfused
     q = quantize.quantize_graphs(src / "fused", part, tmp_path / "int4", ("decode", "verify"),
                                  quantize.QuantSpec(**PRECISIONS["int4"]))

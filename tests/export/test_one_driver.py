@@ -8,6 +8,7 @@ import onnx
 from tiny_models import make_tiny_model_dir
 
 from specrt import manifest as mf
+from specrt import driver
 from specrt.export import onnx_export, parity, sources
 from specrt.runtime.backends.ort_cpu import OrtModel
 
@@ -29,7 +30,7 @@ def test_the_build_driver_is_the_runtime_backend_and_binds_outputs_by_name(tmp_p
     part = onnx_export.export_model(lm, SHAPES, tmp_path / "onnx", attention="portable")
     for g in part["graphs"].values():
         _reverse_kv_outputs(tmp_path / "onnx" / g["file"])
-    gs = parity.GraphSet(tmp_path / "onnx", part["graphs"], part["dims"], SHAPES.kv_capacity)
+    gs = driver.GraphSet(tmp_path / "onnx", part["graphs"], part["dims"], SHAPES.kv_capacity)
     assert isinstance(gs.model, OrtModel)
     report = parity.check_parity(lm.model, tmp_path / "onnx", part, SHAPES, rtol=lm.spec.parity_rtol)
     for name in ("prefill", "decode", "verify"):
@@ -41,5 +42,5 @@ def test_the_build_driver_reads_the_update_mode_and_dtype_off_the_graphs(tmp_pat
     lm = sources.load_source(make_tiny_model_dir(tmp_path / "model", "llama", layers=1))
     for attention, update in (("gqa", "in_place"), ("portable", "returned")):
         part = onnx_export.export_model(lm, SHAPES, tmp_path / attention, graphs=("decode",), attention=attention)
-        entry = parity.build_entry(tmp_path / attention, part["graphs"], part["dims"])
+        entry = driver.build_entry(tmp_path / attention, part["graphs"], part["dims"])
         assert entry.kv == {"dtype": "float32", "update": update}

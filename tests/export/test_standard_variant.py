@@ -71,7 +71,7 @@ def test_cache_is_updated_in_place_when_past_and_present_share_a_buffer(standard
     window are left alone."""
     import onnxruntime as ort
 
-    from specrt.runtime.ort_backend import session_options
+    from specrt.runtime.backends.ort_cpu import session_options
 
     directory, part = standard_llama
     so = session_options(2)    # the runtime's (the process may already own a global thread pool)
@@ -131,9 +131,9 @@ def test_the_torch_module_runs_eagerly_and_matches_transformers(tmp_path):
 
 @pytest.fixture(scope="module")
 def standard_engines(tmp_path_factory, tiny_pair):
-    from gpu.standard_build import build_standard
+    from conftest import build_tiny
     target, draft = tiny_pair
-    return build_standard(tmp_path_factory.mktemp("eng") / "standard", target, str(draft))
+    return build_tiny(tmp_path_factory.mktemp("eng") / "standard", target, str(draft), attention="standard")
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_build_config_and_cli_accept_the_standard_variant():
     import subprocess
     import sys
 
-    from specrt.config import BuildConfig
+    from specrt.build.config import BuildConfig
     assert BuildConfig(target="m", out="o", draft="none", attention="standard").attention == "standard"
     p = subprocess.run([sys.executable, "-m", "specrt.cli", "build", "--help"], capture_output=True, text=True,
                        timeout=120)

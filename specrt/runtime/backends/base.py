@@ -15,6 +15,7 @@ draft that reads its target's cache says so with `shares_cache`, never by identi
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -82,3 +83,17 @@ def backend_for(manifest) -> Backend:
         raise ManifestError(f"engines were built for backend {key[0]!r} on {key[1]!r}; this runtime has {have}: "
                             "rebuild with `specrt build` on this machine, or install the backend they need")
     return _REGISTRY[key]
+
+
+def check_built_for(device: dict, name: str, backend: str, kind: str) -> None:
+    """Refuse engines built for another backend, processor or OS than the `name` backend runs
+    here ({"backend": backend, "kind": kind}); the device check the GPU backends share (ort-cpu's
+    is manifest.check_device, which also compares the kind with this machine's)."""
+    if (device.get("backend"), device.get("kind")) != (backend, kind):
+        raise ManifestError(f"engines were built for backend {device.get('backend')!r} on {device.get('kind')!r}; "
+                            f"the {name} backend runs {backend!r} on {kind!r}: rebuild with `specrt build` on this "
+                            "machine")
+    for key, here in (("machine", platform.machine()), ("os", platform.system())):
+        if device.get(key) is not None and device.get(key) != here:
+            raise ManifestError(f"engines were built for {key}={device.get(key)!r}; this machine has {key}={here!r}: "
+                                "rebuild the engines on this machine")

@@ -24,6 +24,7 @@ import onnx
 
 from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
 from specrt.manifest import ModelEntry, Shapes
+from specrt.runtime.backends.base import check_built_for
 from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import INSTALL_CUDA, CudaUnavailableError
 from specrt.runtime.backends.lifecycle import GraphLifecycle, DeviceRunner
@@ -200,16 +201,8 @@ def open_model(root, entry, shapes, **kw) -> OrtCudaModel:
 def check_device(man, *, ort=None) -> None:
     """Backend.check_device: refuse engines for another backend, OS or processor, and a machine
     without ONNX Runtime's CUDA provider."""
-    import platform
-    dev = man.device
-    if (dev.get("backend"), dev.get("kind")) != ("onnxruntime", "cuda"):
-        raise ManifestError(f"engines were built for backend {dev.get('backend')!r} on {dev.get('kind')!r}; the "
-                            "ort-cuda backend runs 'onnxruntime' on 'cuda': rebuild with `specrt build` on this machine")
-    for key, here in (("machine", platform.machine()), ("os", platform.system())):
-        if dev.get(key) is not None and dev.get(key) != here:
-            raise ManifestError(f"engines were built for {key}={dev.get(key)!r}; this machine has {key}={here!r}: "
-                                "rebuild the engines on this machine")
-    _require_cuda_provider(ort or _import_ort(), built_for=dev)
+    check_built_for(man.device, "ort-cuda", "onnxruntime", "cuda")
+    _require_cuda_provider(ort or _import_ort(), built_for=man.device)
 
 
 def _require_cuda_provider(ort, built_for: dict | None = None) -> None:

@@ -5,7 +5,7 @@ device {"backend": "tensorrt", "kind": "cuda"}.
 
 GPU-ONLY, NOT YET RUN ON A GPU: TensorRT cannot be installed where this was written. The
 calls follow the TensorRT 11 Python API (GPU.md B6) and are tested against a fake
-`tensorrt` module and a fake cudart (tests/gpu/test_trt_runtime.py); the buffer plan,
+`tensorrt` module and a fake cudart (tests/gpu_fakes/test_trt_runtime.py); the buffer plan,
 lifecycle and refusals are the same code the CPU tests run.
 
     activate: trt.Runtime ─ deserialize_cuda_engine(plan) ─ create_execution_context
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import platform
 from pathlib import Path
 
 
 from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
 from specrt.manifest import ModelEntry, Shapes
+from specrt.runtime.backends.base import check_built_for
 from specrt.runtime.backends.cuda_device import CudaDevice, gpu_identity, load_cudart
 from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import CudaUnavailableError, TensorRTUnavailableError
@@ -69,14 +69,7 @@ def engine_file(entry: ModelEntry, graph: str) -> dict:
 def check_device(man, *, trt=None, cudart=None) -> None:
     """Backend.check_device: refuse engines for another backend / OS / processor, a machine
     without TensorRT, cuda-python or a GPU, and a GPU or TensorRT the plans were not built for."""
-    dev = man["device"] if isinstance(man, dict) else man.device
-    if (dev.get("backend"), dev.get("kind")) != ("tensorrt", "cuda"):
-        raise ManifestError(f"engines were built for backend {dev.get('backend')!r} on {dev.get('kind')!r}; the "
-                            "tensorrt backend runs 'tensorrt' on 'cuda': rebuild with `specrt build` on this machine")
-    for key, here in (("machine", platform.machine()), ("os", platform.system())):
-        if dev.get(key) is not None and dev.get(key) != here:
-            raise ManifestError(f"engines were built for {key}={dev.get(key)!r}; this machine has {key}={here!r}: "
-                                "rebuild the engines on this machine")
+    check_built_for(man["device"] if isinstance(man, dict) else man.device, "tensorrt", "tensorrt", "cuda")
     info = engines_info(man)
     if info is None:
         raise ManifestError("the manifest has no \"engines\" section (TensorRT version, GPU): it is damaged or from "

@@ -1,0 +1,12 @@
+"""What a build measures and refuses on, each over the built ONNX graphs (specrt/driver.py):
+
+- `identity.py`: decode vs verify rows (greedy speculation must reproduce plain decoding) and a
+  quantized target's agreement with fp32.
+- `measure.py`: a draft's top-1 agreement with its target.
+- `precision.py`: fp16 graphs against their fp32 export (the GPU builds).
+- `plan.py`: each graph's step cost and the predicted speedup of every k (adaptive k).
+- `vocab.py`: the draft's kept vocabulary (`--draft-vocab N`) and its coverage.
+- `ngrams.py`: the target's n-gram table of its own greedy text (pair rounds).
+- `rows.py`: a one-token graph on the multi-row kernels (plain decoding that rounds as the
+  verify pass does).
+"""

@@ -1,0 +1,58 @@
+"""Assemble the artifacts of a build into a manifest (the writer every backend shares: the
+ONNX Runtime CPU and CUDA builds pass their device, a TensorRT build adds its engine fields
+with engines/trt_build.py before `save_manifest`, `specrt qdq` writes its folder's)."""
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from pathlib import Path
+
+from specrt import __version__
+from specrt import manifest as mf
+
+
+def tool_versions() -> dict:
+    import onnx
+    import onnxruntime
+
+    versions = {"specrt": __version__, "python": platform.python_version(), "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__}
+    for name in ("torch", "transformers"):   # read, not imported: `specrt qdq` never loads torch
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
+    graphs = {g: mf.GraphEntry(file=f"{subdir}/{e['file']}", tokens=e["tokens"], sha256=e["sha256"])
+              for g, e in part["graphs"].items()}
+    weights = {**part["weights"], "file": f"{subdir}/{part['weights']['file']}"}
+    io = {**mf.IO_NAMES, "dtypes": {"input_ids": "int64", "past_len": "int64", "logits": "float32",
+                                    "kv": part["kv"]["dtype"]}}
+    return mf.ModelEntry(role=role, family=part["family"], precision=part["precision"], dims=part["dims"],
+                         graphs=graphs, weights=weights, source=part["source"], kv=part["kv"], io=io,
+                         parity=part.get("parity", {}))
+
+
+def assemble_manifest(shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
+                      device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
+    """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}.
+    device: the build's target device (default: this CPU). proposers: files shipped for the
+    runtime's proposals (e.g. {"ngrams": {...}}, build/gates/ngrams.py)."""
+    models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
+    return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or mf.this_device(),
+                       tools=tool_versions(), build=build, proposers=proposers or None)
+
+
+def save_manifest(man: mf.Manifest, out: Path) -> mf.Manifest:
+    """Check every named file and hash, then write manifest.json (atomically)."""
+    mf.check_files(man, out, hashes=True)
+    man.save(out)
+    return man
+
+
+def write_manifest(out: Path, shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
+                   device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
+    return save_manifest(assemble_manifest(shapes, parts, tokenizer, build, device, proposers), out)

@@ -1,0 +1,127 @@
+"""`specrt build --out` never deletes what it did not create and fails before the long work
+(issue 6): foreign folders, user siblings, files, the current folder, mount points,
+unwritable places, interrupted builds and their leftovers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bad_input_helpers import copy_engines, expect
+from conftest import build_tiny as _build_tiny
+
+from specrt.build import outdir
+from specrt.errors import BuildOutputError
+from specrt.runtime import SpeculativeGenerator
+
+
+def build_tiny(out, target, draft, force=False):
+    """conftest.build_tiny, with build's force flag."""
+    if not force:
+        return _build_tiny(out, target, draft)
+    from specrt.build.config import BuildConfig
+    from specrt.build.pipeline import build
+    return build(BuildConfig(target=str(target), out=str(out), draft=draft, max_context=96, prefill_chunk=16, k=3),
+                 progress=False, force=True)
+
+
+# --------------------------------------------------------------------------- build --out
+
+
+def _never_load(monkeypatch):
+    """The output checks must run before the (long) model load."""
+    from specrt.export import sources
+
+    def boom(*a, **k):
+        raise AssertionError("the build started loading the model before checking --out")
+    monkeypatch.setattr(sources, "load_source", boom)
+
+
+def test_build_refuses_an_existing_folder_that_is_not_an_engine_folder_and_keeps_it(tiny_pair, tmp_path,
+                                                                                   monkeypatch):
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("precious")
+    (out / "sub" / "data.csv").write_text("1,2")
+    _never_load(monkeypatch)
+    msg = expect(BuildOutputError, build_tiny, out, tiny_pair[0], "none")
+    assert "--force" in msg and "notes.txt" in msg
+    assert (out / "notes.txt").read_text() == "precious" and (out / "sub" / "data.csv").exists()
+
+
+def test_build_with_force_replaces_a_foreign_folder(tiny_pair, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("replace me")
+    build_tiny(out, tiny_pair[0], "none", force=True)
+    assert (out / "manifest.json").is_file() and not (out / "notes.txt").exists()
+
+
+def test_rebuild_replaces_the_previous_build_and_leaves_user_siblings_alone(tiny_pair, tmp_path):
+    out = tmp_path / "eng"
+    for name in ("eng.old", "eng.partial"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text(name)
+    build_tiny(out, tiny_pair[0], "none")
+    build_tiny(out, tiny_pair[0], "none")            # replaces its own previous build
+    for name in ("eng.old", "eng.partial"):
+        assert (tmp_path / name / "keep.txt").read_text() == name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng", "eng.old", "eng.partial"]
+    SpeculativeGenerator(out)
+
+
+def test_rebuild_refuses_when_the_user_added_files_to_an_engine_folder(tiny_pair, tiny_engines, tmp_path,
+                                                                      monkeypatch):
+    out = copy_engines(tiny_engines, tmp_path)
+    (out / "my-notes.md").write_text("keep")
+    _never_load(monkeypatch)
+    msg = expect(BuildOutputError, build_tiny, out, tiny_pair[0], "none")
+    assert "my-notes.md" in msg and (out / "my-notes.md").exists()
+
+
+def test_build_into_an_empty_existing_folder_works(tiny_pair, tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    build_tiny(out, tiny_pair[0], "none")
+    assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("where, words", [
+    ("file", "is an existing file"),
+    (".", "current folder"),
+    ("..", "current folder"),
+    ("/proc", "mount point"),
+    ("/sys/specrt-out", "writable"),
+])
+def test_build_refuses_bad_destinations_before_any_work(tiny_pair, tmp_path, monkeypatch, where, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("not a folder")
+    _never_load(monkeypatch)
+    assert words in expect(BuildOutputError, build_tiny, Path(where), tiny_pair[0], "none")
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_a_failed_build_leaves_no_hidden_partial_folder(tiny_pair, tmp_path, monkeypatch):
+    from specrt.export import sources
+
+    def fail(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sources, "load_source", fail)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny(tmp_path / "eng", tiny_pair[0], "none")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_partial_folder_left_by_a_killed_build_is_cleaned_but_foreign_ones_are_not(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / ".eng.partial-abc123"
+    stale.mkdir()
+    (stale / outdir.MARKER).write_text(dead)
+    foreign = tmp_path / ".eng.partial-user"
+    foreign.mkdir()
+    tmp = outdir.make_partial(tmp_path / "eng")
+    assert not stale.exists() and foreign.exists() and tmp.exists()
+    outdir.discard(tmp)
+    assert not tmp.exists()
