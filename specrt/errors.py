@@ -59,3 +59,7 @@ class BuildOutputError(ConfigError):
 
 class BackendError(SpecrtError, RuntimeError):
     """The inference backend rejected an intact artifact (version, memory, unsupported op)."""
+
+
+class OverloadedError(SpecrtError, RuntimeError):
+    """The batched engine's queue is full: retry later (a server answers 429)."""
