@@ -61,5 +61,9 @@ class BackendError(SpecrtError, RuntimeError):
     """The inference backend rejected an intact artifact (version, memory, unsupported op)."""
 
 
+class ChatTemplateError(ManifestError):
+    """The manifest's chat template does not compile (a template problem, not a damaged file)."""
+
+
 class OverloadedError(SpecrtError, RuntimeError):
     """The batched engine's queue is full: retry later (a server answers 429)."""

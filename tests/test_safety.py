@@ -221,7 +221,6 @@ def test_unknown_verify_mode_raises_config_error(tiny_engines):
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda m: m["tokenizer"].__setitem__("chat_template", "{% for x in %}"), "chat template"),
     (lambda m: m["models"]["target"]["graphs"].pop("verify"), "verify"),
     (lambda m: m.__setitem__("models", [m["models"]["target"]]), "models"),
     (lambda m: m["models"]["target"]["weights"]["initializers"].__setitem__(

@@ -1,10 +1,13 @@
-"""Model sources: a Hugging Face directory (config.json + *.safetensors) or a GGUF file.
+"""Model sources: a Hugging Face directory (config.json + *.safetensors), a GGUF file, or a
+Hugging Face model id (`org/name`) already in the local Hugging Face cache (HF_HUB_CACHE, or
+HF_HOME/hub): specrt never downloads.
 
 Pickled checkpoints (*.bin, *.pt) are refused: loading them executes arbitrary code.
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +32,17 @@ class LoadedModel:
     identity: dict                  # path, files and their sha256, model_type
 
 
+# a Hub model id: "org/name" (names of letters, digits, "-", "_", "."), as huggingface_hub validates them
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
 def _resolve(path: str | Path) -> tuple[Path, str | None]:
     p = Path(path)
     if not p.exists():
-        raise ModelSourceError(f"model source {p} does not exist: pass a Hugging Face directory or a .gguf file")
+        if isinstance(path, str) and _MODEL_ID.match(path) and ".." not in path:
+            return _resolve(_from_hub_cache(path))
+        raise ModelSourceError(f"model source {p} does not exist: pass a Hugging Face directory, a .gguf file, or "
+                               "a model id (org/name) that is in the local Hugging Face cache")
     if p.is_file():
         if p.suffix != ".gguf":
             raise ModelSourceError(f"{p} is a file but not .gguf; pass a GGUF file or a directory with "
@@ -45,6 +55,24 @@ def _resolve(path: str | Path) -> tuple[Path, str | None]:
         hint = f" (found pickled {pickled}: convert them to safetensors first; specrt never unpickles)" if pickled else ""
         raise ModelSourceError(f"{p} has no *.safetensors weights{hint}")
     return p, None
+
+
+def _from_hub_cache(model_id: str) -> Path:
+    """The cached snapshot folder of `model_id` (its "main" revision), offline; a ModelSourceError
+    that says how to fill the cache when it is not there."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError) as e:
+        raise ModelSourceError(
+            f"{model_id} is neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}; "
+            f"{type(e).__name__}); specrt never downloads. On a machine with network access run "
+            f"`hf download {model_id}` (huggingface_hub's CLI) and copy its cache folder here, or point HF_HOME / "
+            "HF_HUB_CACHE at a cache that has it, or pass the model's local directory") from None
+    log.info("%s: the cached snapshot %s", model_id, folder)
+    return folder
 
 
 def load_source(path: str | Path) -> LoadedModel:
@@ -76,8 +104,10 @@ def load_source(path: str | Path) -> LoadedModel:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
     sliding = getattr(cfg, "sliding_window", None)
     files = [directory / gguf] if gguf else sorted(directory.glob("*.safetensors")) + [directory / "config.json"]
+    local = Path(path).exists()
     identity = {
-        "source": str(Path(path).resolve()),
+        "source": str(Path(path).resolve()) if local else str(directory),
+        **({} if local else {"model_id": str(path)}),   # resolved from the Hugging Face cache
         "model_type": cfg.model_type,
         "family": spec.family,
         "files": {f.name: sha256_file(f) for f in files},

@@ -5,13 +5,20 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from specrt.errors import ContextLengthError, PromptError, SamplingParamsError, TokenizerMismatchError
 
 
-def encode_prompt(tokenizer, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
-    """Text (with the model's chat template when `chat`) or a sequence of token ids -> ids."""
+def encode_prompt(tokenizer, prompt: str | Sequence[int] | Sequence[Mapping], *, chat: bool = False,
+                  system: str | None = None) -> list[int]:
+    """Text (with the model's chat template when `chat`), a list of chat messages
+    ({"role", "content"} dicts, multi-turn: always through the chat template), or a sequence of
+    token ids -> ids. Control tokens typed in chat text stay text (Tokenizer.encode_chat)."""
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        if system is not None and not isinstance(system, str):
+            raise PromptError(f"system must be a string, got {type(system).__name__}")
+        return tokenizer.encode_chat(([{"role": "system", "content": system}] if system else []) + list(prompt))
     if isinstance(prompt, (bytes, bytearray, memoryview)):
         raise PromptError("the prompt is bytes: decode it to str first (e.g. prompt.decode('utf-8')), or "
                           "pass a list of token ids")
@@ -26,7 +33,7 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int], *, chat: bool = False,
         raise PromptError(f"system must be a string, got {type(system).__name__}")
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return tokenizer.encode_chat(messages)   # control tokens typed in the text stay text
     return tokenizer.encode(prompt)
 
 

@@ -70,7 +70,7 @@ class Validator:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         try:
-            ids = self.tok.encode(self.tok.apply_chat_template(messages), add_special_tokens=False)
+            ids = self.tok.encode_chat(messages)   # control tokens typed in messages are encoded as text
         except SpecrtError as e:
             raise RequestError(str(e), param="messages") from None
         return self._finish(req, ids, req.max_completion_tokens or req.max_tokens, None, "chat")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specrt.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from tokenizer_fixtures import make_byte_fallback_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +51,28 @@ def test_each_push_decodes_a_bounded_window_not_the_whole_history(real_tokenizer
     monkeypatch.setattr(real_tokenizer, "decode", lambda x, **k: seen.append(len(list(x))) or orig(x, **k))
     _stream(real_tokenizer, ids)
     assert max(seen) <= 4, max(seen)      # was len(ids) per push: quadratic
+
+
+# --------------------------------------------------------------------------- a byte-fallback tokenizer
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(make_byte_fallback_tokenizer(tmp_path_factory.mktemp("bytefallback")), {"file": "tokenizer.json"})
+
+
+@pytest.mark.parametrize("text", ["the theme then", "  two leading spaces", "Ça coûte 5 € — 日本語 🙂🚀",
+                                  "</s>the<s> end"])
+def test_byte_fallback_stream_equals_a_full_decode(byte_fallback_tokenizer, text):
+    tok = byte_fallback_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok._tok.id_to_token(i).startswith("<0x") for i in ids) or text.isascii()
+    assert _stream(tok, ids) == tok.decode(ids)
+
+
+def test_invalid_utf8_from_byte_tokens_keeps_streaming(byte_fallback_tokenizer):
+    # <0xC3><0x97> is "×"; <0xE6> starts a 3-byte character that a letter then breaks. DecodeStream raises
+    # "Invalid prefix encountered" here (the full decode turns the whole byte run into U+FFFD afterwards).
+    tok = byte_fallback_tokenizer
+    ids = [tok._tok.token_to_id(t) for t in ("<0xC3>", "<0x97>", "<0xE6>", "a", "b")]
+    dec = IncrementalDecoder(tok)
+    assert [dec.push(t) for t in ids] == ["", "×", "", "\ufffd\ufffda", "b"]
