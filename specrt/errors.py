@@ -63,3 +63,7 @@ class BackendError(SpecrtError, RuntimeError):
 
 class ChatTemplateError(ManifestError):
     """The manifest's chat template does not compile (a template problem, not a damaged file)."""
+
+
+class OverloadedError(SpecrtError, RuntimeError):
+    """The batched engine's queue is full: retry later (a server answers 429)."""

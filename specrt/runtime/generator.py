@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -27,43 +27,27 @@ from specrt.errors import (
     BackendError,
     ConcurrentUseError,
     ConfigError,
-    ContextLengthError,
     GraphFileError,
-    PromptError,
     SamplingParamsError,
     TokenizerMismatchError,
 )
 from specrt.runtime.adaptive import AdaptiveK, StepCosts
-from specrt.runtime.loop import Emitted, Workspace, plain_decode, prefill, speculative_decode
+from specrt.runtime.backends import backend_for
+from specrt.runtime.loop import Adaptive, Emitted, FixedDraft, Lookup, Plain, decode
+from specrt.runtime.methods import METHODS, Method
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.ngrams import NgramTable
-from specrt.runtime.proposers import lookup_decode
-from specrt.runtime.backends import backend_for
+from specrt.runtime.prompt import check_request, encode_prompt
+from specrt.runtime.proposers import Chain, DraftModel, OneGram, PromptLookup, TableGuess
+from specrt.runtime.rounds import Workspace, prefill
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from specrt.runtime.text import Chunk, Completion, TextStreaming
+from specrt.runtime.tokenizer import Tokenizer
 
-METHODS = ("speculative", "plain", "lookup")   # lookup: prompt lookup (n-gram), greedy, no draft model
-
-
-@dataclass
-class Chunk:
-    """A piece of streamed output: the text it adds and the tokens behind it."""
-    text: str
-    tokens: list[int]
-    from_draft: list[bool]
+__all__ = ["SpeculativeGenerator", "Chunk", "Completion", "METHODS"]
 
 
-@dataclass
-class Completion:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    metrics: Metrics
-    prompt_tokens: int = 0
-    message: str = field(default="")
-
-
-class SpeculativeGenerator:
+class SpeculativeGenerator(TextStreaming):
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
                  memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full",
                  profile_dir: str | Path | None = None, adaptive: bool | None = None,
@@ -112,10 +96,12 @@ class SpeculativeGenerator:
             raise ConfigError(f"memory='shared' does not suit this {man.target.precision} target: its MatMulNBits "
                               "graphs run ~40x slower without ONNX Runtime's pre-packing; use memory='fast' "
                               "(the weights are already small), or methods=('speculative',) to load fewer graphs")
-        self.methods = tuple(methods) if methods is not None else (METHODS if man.draft else ("plain", "lookup"))
-        if not self.methods or any(m not in METHODS for m in self.methods):
+        if methods is None:
+            methods = tuple(m for m in Method if man.draft is not None or not m.needs_draft)
+        if isinstance(methods, str) or not methods or any(m not in METHODS for m in methods):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
-        if "speculative" in self.methods and man.draft is None:
+        self.methods = tuple(Method(m) for m in methods)
+        if any(m.needs_draft for m in self.methods) and man.draft is None:
             raise SamplingParamsError("these engines have no draft model: pass methods=('plain',) or rebuild "
                                       "with a draft (--draft int8)")
         if man.draft is not None and "speculative" in self.methods:
@@ -142,8 +128,8 @@ class SpeculativeGenerator:
         if profile_dir:
             extra["profile_dir"] = Path(profile_dir)
         self.tokenizer = Tokenizer(self.root, man.tokenizer)
-        target_graphs = ("prefill",) + (("decode",) if {"plain", "lookup"} & set(self.methods) else ()) \
-            + (("verify",) if {"speculative", "lookup"} & set(self.methods) else ())
+        needed = {g for m in self.methods for g in m.target_graphs}
+        target_graphs = ("prefill",) + tuple(g for g in ("decode", "verify") if g in needed)
         self.target_graphs = target_graphs
         # a two-row decode graph (a quantized target's): pair rounds verify a guessed token in its second row
         self.pair = "decode" in target_graphs and man.target.graphs["decode"].tokens >= 2
@@ -157,19 +143,22 @@ class SpeculativeGenerator:
                 raise
             raise ConfigError(f"backend_options {sorted(extra)}: the {self.backend.name} backend does not take "
                               f"them ({e})") from None
-        self.draft = None
-        if man.draft is not None and "speculative" in self.methods:
+        self.draft = self.drafter = None
+        if man.draft is not None and Method.SPECULATIVE in self.methods:
             shared = man.draft.shares_cache_with == "target"
             self.draft = self.backend.open_model(self.root, man.draft, man.shapes, threads=threads, memory=memory,
-                                  cache=self.target.cache if shared else None,
-                                  graphs=("decode",) if shared else ("prefill", "decode"), **extra)
+                                                 cache=self.target.cache if shared else None,
+                                                 graphs=("decode",) if shared else ("prefill", "decode"), **extra)
+            self.drafter = DraftModel(self.draft, self.k, int(man.target.dims["vocab"]),
+                                      prefill_tokens=None if shared else man.draft.graphs["prefill"].tokens)
+        self._lookups: dict[int, PromptLookup] = {}
 
     def _adaptive(self, man: mf.Manifest, adaptive: bool | None, k: int | None):
         spec = (man.build or {}).get("speculation")
         costs = StepCosts.from_manifest(spec)
         if adaptive is None:
             return costs, costs is not None and k is None and "decode" in self.target_graphs \
-                and "speculative" in self.methods
+                and Method.SPECULATIVE in self.methods
         return costs, self._check_adaptive(adaptive, costs)
 
     def _check_adaptive(self, adaptive, costs) -> bool:
@@ -203,22 +192,7 @@ class SpeculativeGenerator:
     # --- token level ------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False,
                       system: str | None = None) -> list[int]:
-        if isinstance(prompt, (bytes, bytearray, memoryview)):
-            raise PromptError("the prompt is bytes: decode it to str first (e.g. prompt.decode('utf-8')), or "
-                              "pass a list of token ids")
-        if not isinstance(prompt, str):
-            return _token_ids(prompt)
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise PromptError(f"the prompt is not valid UTF-8 text (undecodable byte at position {e.start}, "
-                              "e.g. from a terminal in another encoding): pass UTF-8 text") from None
-        if system is not None and not isinstance(system, str):
-            raise PromptError(f"system must be a string, got {type(system).__name__}")
-        if chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            return self.tokenizer.encode_chat(messages)   # control tokens typed in the text stay text
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                method: str = "speculative", ngram: int = 2, adaptive: bool | None = None) -> Iterator[Emitted]:
@@ -233,31 +207,19 @@ class SpeculativeGenerator:
         if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < (1 if method == "lookup" else 0):
             raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match; "
                                       "0 turns prompt lookup off in speculative decoding)")
-        if method == "lookup" and not sampling.greedy:
+        if method == Method.LOOKUP and not sampling.greedy:
             raise SamplingParamsError("method='lookup' (prompt lookup) is greedy only: use temperature=0, or "
                                       "method='speculative' / 'plain' to sample")
-        if method not in METHODS:
-            raise SamplingParamsError(f"method={method!r}; choose one of {METHODS}")
+        method = Method.parse(method)
         if method not in self.methods:
-            if method == "speculative" and self.manifest.draft is None:
+            if method.needs_draft and self.manifest.draft is None:
                 raise SamplingParamsError("these engines were built without a draft model (--draft none): use "
                                           "method='plain' (`specrt generate --plain`), or rebuild with a draft "
                                           "(`specrt build --draft int8`)")
             raise SamplingParamsError(f"method={method!r} was not loaded: create the generator with "
                                       f"methods including {method!r} (it has {self.methods})")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SamplingParamsError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-        prompt_ids = _token_ids(prompt_ids)
+        prompt_ids = check_request(prompt_ids, max_new_tokens, self.shapes.max_context, self.vocab)
         P, C = len(prompt_ids), self.shapes.max_context
-        if P == 0:
-            raise ContextLengthError("the prompt is empty: give at least one token")
-        if P >= C:
-            raise ContextLengthError(
-                f"the prompt has {P} tokens; the engines were built with max_context={C}, leaving no room to "
-                f"generate: shorten the prompt or rebuild with --max-context {P + max_new_tokens}")
-        if max(prompt_ids) >= self.vocab or min(prompt_ids) < 0:
-            raise TokenizerMismatchError(f"prompt token ids must lie in [0, {self.vocab}): encode the prompt with "
-                                         "this build's tokenizer (pass text, or gen.tokenizer.encode(text))")
         if adaptive is not None:
             self._check_adaptive(adaptive, self.costs)
         return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram,
@@ -277,136 +239,43 @@ class SpeculativeGenerator:
         finally:
             self._busy.release()
 
-    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram,
+    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method: Method, ngram,
                        adaptive) -> Iterator[Emitted]:
         P = len(prompt_ids)
-        m = self.last_metrics = Metrics(method=method, k=0 if method == "plain" else self.k, prompt_tokens=P)
+        m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
+                                        prompt_tokens=P)
         rng = np.random.default_rng(sampling.seed)
+        planner = self._planner(method, ngram, adaptive)
         t_start = time.perf_counter()
         try:
             first = prefill(self.target, self.manifest.target.graphs["prefill"].tokens, prompt_ids)
-            if method == "speculative" and not self.draft.shares_cache:
-                prefill(self.draft, self.manifest.draft.graphs["prefill"].tokens, prompt_ids)
+            for p in planner.proposers:      # a draft with its own cache prefills the prompt here
+                p.begin(prompt_ids, sampling, rng)
             m.time_prefill = time.perf_counter() - t_start
-            if method == "plain":
-                inner = plain_decode(self.target, first, P, budget, sampling, rng, self.ws, m)
-            elif method == "lookup":
-                inner = lookup_decode(self.target, first, P, budget, m, seq=list(prompt_ids), n=ngram, k=self.k,
-                                      choices=self.ws.argmax, pair=self.pair, table=self.ngrams)
-            else:
-                inner = speculative_decode(self.target, self.draft, first, P, budget, sampling, rng, self.ws, m,
-                                           draft_start=P, shared_cache=self.draft.shares_cache,
-                                           seq=list(prompt_ids),
-                                           policy=(policy := self._policy() if adaptive is None else
-                                                   self._new_policy() if adaptive else None),
-                                           lookup_n=ngram if policy is not None else 0, pair=self.pair,
-                                           table=self.ngrams)
-            with _closing(inner):
+            with closing(decode(self.target, planner, first, P, budget, sampling, rng, self.ws, m,
+                                seq=list(prompt_ids))) as inner:
                 yield from inner
             m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")
         finally:
             m.time_total = time.perf_counter() - t_start
 
-    # --- text level -------------------------------------------------------------------
-    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
-               system: str | None = None, method: str = "speculative", ngram: int = 2) -> Iterator[Chunk]:
-        """Yield text chunks as tokens are accepted; stops on EOS, a stop string, the token
-        budget or the maximum context (`last_metrics.finish_reason` says which)."""
-        ids = self.encode_prompt(prompt, chat=chat, system=system)
-        eos = self.tokenizer.eos_token_ids
-        dec = IncrementalDecoder(self.tokenizer)
-        stop = _stop_strings(stop)
-        held = ""   # text not yet released because it may be the start of a stop string
-        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram)
-        with _closing(gen):
-            for e in gen:
-                if e.token in eos:
-                    if held:   # a held-back prefix of a stop string that never completed
-                        yield Chunk(held, [], [])
-                    self.last_metrics.finish_reason = "eos"
-                    break
-                held += dec.push(e.token)
-                hit = min((i for i in (held.find(s) for s in stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    # the token that completed the stop string is reported; its text is trimmed
-                    yield Chunk(held[:hit], [e.token], [e.from_draft])
-                    self.last_metrics.finish_reason = "stop"
-                    break
-                keep = _partial_stop_suffix(held, stop)
-                out, held = held[:len(held) - keep], held[len(held) - keep:]
-                yield Chunk(out, [e.token], [e.from_draft])
-            else:
-                if held:
-                    yield Chunk(held, [], [])
+    def _planner(self, method: Method, ngram: int, adaptive: bool | None) -> Plain:
+        """Who proposes in each round of this generation (runtime/loop.py)."""
+        if method is Method.PLAIN:
+            return Plain()
+        # the one-token guessers of a pair round, after prompt lookup's own guess
+        pair = Chain([OneGram()] + ([TableGuess(self.ngrams)] if self.ngrams else [])) if self.pair else None
+        if method is Method.LOOKUP:
+            return Lookup(self._lookup(ngram), pair)
+        policy = self._policy() if adaptive is None else self._new_policy() if adaptive else None
+        if policy is None:
+            return FixedDraft(self.drafter)
+        return Adaptive(policy, self.drafter, self._lookup(ngram) if ngram else None, pair)
 
-    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
-        chunks = list(self.stream(prompt, **kw))
-        m = self.last_metrics
-        msg = ""
-        if m.finish_reason == "max_context":
-            msg = (f"stopped at the maximum context ({self.shapes.max_context} tokens); rebuild with a larger "
-                   "--max-context for longer outputs")
-        return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                          m.finish_reason, m, m.prompt_tokens, msg)
-
-
-def _token_ids(prompt) -> list[int]:
-    """A sequence of token ids as plain ints; anything else is a PromptError."""
-    if isinstance(prompt, (str, bytes, bytearray, memoryview)):
-        raise PromptError(f"expected a sequence of token ids, got {type(prompt).__name__}")
-    try:
-        ids = list(prompt)
-    except TypeError:
-        raise PromptError(f"the prompt must be text or a sequence of token ids, got {type(prompt).__name__}") from None
-    out = []
-    for t in ids:
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise PromptError(f"token ids must be integers, got {t!r} ({type(t).__name__}): pass text, or "
-                              "gen.tokenizer.encode(text)")
-        out.append(int(t))
-    return out
-
-
-def _stop_strings(stop) -> list[str]:
-    """`stop` is one string or a sequence of strings (a bare string is ONE stop, not its characters)."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    try:
-        stops = list(stop)
-    except TypeError:
-        raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
-    for s in stops:
-        if not isinstance(s, str):
-            raise SamplingParamsError(f"stop strings must be str, got {s!r} ({type(s).__name__})")
-    return [s for s in stops if s]
-
-
-def _partial_stop_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                best = max(best, n)
-                break
-    return best
-
-
-class _closing:
-    """Close a generator when leaving the block, so its `finally` rewinds the caches."""
-
-    def __init__(self, gen):
-        self.gen = gen
-
-    def __enter__(self):
-        return self.gen
-
-    def __exit__(self, *exc):
-        self.gen.close()
-        return False
+    def _lookup(self, n: int) -> PromptLookup:
+        if n not in self._lookups:
+            self._lookups[n] = PromptLookup(n, self.k)
+        return self._lookups[n]
 
 
 def _matmul_nbits(entry: mf.ModelEntry) -> bool:

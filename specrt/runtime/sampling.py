@@ -43,7 +43,9 @@ __all__ = [
     "accept_probability",
     "probs_from_logits",
     "residual_distribution",
+    "residual_without",
     "sample",
+    "sample_at",
     "verify_greedy",
     "verify_sampled",
 ]
@@ -190,11 +192,21 @@ def sample(
     probs: np.ndarray,  # probs: [V], non-negative, sum 1 (+- rounding)
     rng: np.random.Generator,
 ) -> int:
-    """Draw one token by inverse CDF with a single `rng.random()`.
+    """Draw one token by inverse CDF with a single `rng.random()` (see `sample_at`)."""
+    return sample_at(probs, rng.random)
+
+
+def sample_at(
+    probs: np.ndarray,  # probs: [V], non-negative, sum 1 (+- rounding)
+    u,  # a float in [0, 1), or a callable returning one (drawn after the checks)
+) -> int:
+    """The token at uniform u by inverse CDF: i with cdf[i-1] <= u * total < cdf[i].
 
     The CDF is scaled by its own total, so rows summing to 1 +- 1e-6 (float32
     rounding) are fine. A zero-probability token is never returned: each returned
-    index i satisfies cdf[i-1] <= u * total < cdf[i], i.e. probs[i] > 0.
+    index i satisfies cdf[i-1] <= u * total < cdf[i], i.e. probs[i] > 0. The same u
+    gives the same token for the same probs: a position-keyed u (runtime/batch/choice.py)
+    makes sampled output independent of how rounds and batches were formed.
     """
     cdf = np.cumsum(probs, dtype=np.float64)
     total = cdf[-1] if cdf.size else 0.0
@@ -202,7 +214,7 @@ def sample(
         raise ValueError(
             f"probs sums to {total}; pass a [V] distribution with positive finite mass"
         )
-    u = rng.random()
+    u = u() if callable(u) else u
     i = int(np.searchsorted(cdf, u * total, side="right"))
     if i >= cdf.size:
         # u * total rounded up to total; take the last token with positive mass.
@@ -233,6 +245,24 @@ def residual_distribution(
     """
     np.subtract(p, q, out=out)
     np.maximum(out, 0.0, out=out)
+    total = out.sum()
+    if total > 0.0:
+        np.divide(out, total, out=out)
+    else:
+        np.copyto(out, p)
+    return out
+
+
+def residual_without(
+    p: np.ndarray,  # p: [V] target probs at the rejected position
+    x: int,  # the rejected token of a deterministic proposal (q one-hot on x)
+    out: np.ndarray,  # out: [V] float32, overwritten
+) -> np.ndarray:  # -> out: [V]
+    """The residual norm(max(0, p - q)) when q is one-hot on x (prompt lookup, a table guess):
+    p with x removed, renormalised. The same numbers `residual_distribution` gives for a
+    one-hot q row, without materialising the row."""
+    np.copyto(out, p)
+    out[x] = 0.0
     total = out.sum()
     if total > 0.0:
         np.divide(out, total, out=out)
@@ -277,7 +307,7 @@ def verify_greedy(
 
 def verify_sampled(
     p: np.ndarray,  # p: [k+1, V] warped target probs at each verify position
-    q: np.ndarray,  # q: [k, V] warped draft probs (a one-hot row is fine)
+    q: np.ndarray | None,  # q: [k, V] warped draft probs, or None: each x_i is a deterministic guess
     draft_tokens: np.ndarray,  # draft_tokens: [k] int, x_i was drawn from q[i]
     rng: np.random.Generator,
     scratch: np.ndarray,  # scratch: [V] float32, residual work buffer
@@ -287,13 +317,15 @@ def verify_sampled(
     At the first rejection the recovered token is drawn from norm(max(0, p_i - q_i));
     if all k are accepted the bonus token is drawn from p[k]. Emitted tokens are then
     distributed exactly as p, for any q (provided x_i really was drawn from q[i]).
+    q None: the proposal has no distribution (prompt lookup, a table): q is one-hot on each
+    x_i, so x_i is kept with probability p_i(x_i) and the residual is p_i without x_i.
 
     Uses k' + 1 draws of `rng.random()`, where k' is the number of draft tokens
     examined. The test is `u < a` with u in [0, 1), so P(accept) is exactly a and a
     token the target gives probability 0 is never accepted.
     """
     k = draft_tokens.shape[0]
-    if p.ndim != 2 or draft_tokens.ndim != 1 or p.shape[0] != k + 1 or q.shape != (k, p.shape[1]):
+    if p.ndim != 2 or draft_tokens.ndim != 1 or p.shape[0] != k + 1 or (q is not None and q.shape != (k, p.shape[1])):
         raise ValueError(
             f"p has shape {p.shape}, q {q.shape}, draft_tokens {draft_tokens.shape}; "
             "expected p [k+1, V], q [k, V], draft_tokens [k]"
@@ -302,9 +334,9 @@ def verify_sampled(
 
     for i in range(k):
         x = int(draft_tokens[i])
-        a = accept_probability(float(p[i, x]), float(q[i, x]))
+        a = accept_probability(float(p[i, x]), 1.0 if q is None else float(q[i, x]))
         if rng.random() < a:
             continue
-        residual = residual_distribution(p[i], q[i], scratch)
+        residual = residual_without(p[i], x, scratch) if q is None else residual_distribution(p[i], q[i], scratch)
         return Verdict(n_accepted=i, next_token=sample(residual, rng), bonus=False)
     return Verdict(n_accepted=k, next_token=sample(p[k], rng), bonus=True)

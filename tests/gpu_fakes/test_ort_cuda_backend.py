@@ -20,7 +20,8 @@ from specrt.runtime.backends import Cache, ModelRunner, backend_for
 from specrt.runtime.backends import ort_cuda
 from specrt.runtime.backends.gpu_errors import CaptureError, CudaUnavailableError
 from specrt.runtime.backends.ort_cpu import OrtModel
-from specrt.runtime.loop import Workspace, plain_decode, prefill, speculative_decode
+from specrt.runtime.loop import FixedDraft, Plain, Workspace, decode, prefill
+from specrt.runtime.proposers import DraftModel
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.sampling import SamplingParams
 
@@ -62,18 +63,19 @@ def _model(b, entry=None, **kw):
 
 def _plain(model, n=NEW):
     first = prefill(model, SHAPES.prefill_chunk, PROMPT)
-    gen = plain_decode(model, first, len(PROMPT), n, SamplingParams(), None, Workspace(SHAPES.k, 128), Metrics())
+    gen = decode(model, Plain(), first, len(PROMPT), n, SamplingParams(), None, Workspace(SHAPES.k, 128), Metrics(),
+                 seq=list(PROMPT))
     return [e.token for e in gen]
 
 
 def _speculative(target, draft, shared=False):
     first = prefill(target, SHAPES.prefill_chunk, PROMPT)
-    if not shared:
-        prefill(draft, SHAPES.prefill_chunk, PROMPT)
+    drafter = DraftModel(draft, SHAPES.k, 128, prefill_tokens=SHAPES.prefill_chunk)
+    assert drafter.shared == shared
+    drafter.begin(PROMPT)
     m = Metrics(k=SHAPES.k)
-    gen = speculative_decode(target, draft, first, len(PROMPT), NEW, SamplingParams(), None,
-                             Workspace(SHAPES.k, 128), m, draft_start=len(PROMPT), shared_cache=shared,
-                             seq=list(PROMPT))
+    gen = decode(target, FixedDraft(drafter), first, len(PROMPT), NEW, SamplingParams(), None,
+                 Workspace(SHAPES.k, 128), m, seq=list(PROMPT))
     return [e.token for e in gen], m
 
 

@@ -19,7 +19,8 @@ from specrt.errors import BackendError, GraphFileError, ManifestError
 from specrt.runtime.backends import backend_for, trt_runtime
 from specrt.runtime.backends.cuda_device import CudaDevice
 from specrt.runtime.backends.gpu_errors import CudaUnavailableError, EngineMismatchError, TensorRTUnavailableError
-from specrt.runtime.loop import Workspace, plain_decode, prefill, speculative_decode
+from specrt.runtime.loop import FixedDraft, Plain, Workspace, decode, prefill
+from specrt.runtime.proposers import DraftModel
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.sampling import SamplingParams
 
@@ -119,16 +120,16 @@ def test_prefill_is_never_captured(world):
 def test_the_toy_model_decodes_right_and_greedy_speculative_equals_plain_through_the_loop(world):
     target = _open(world)
     first = prefill(target, SHAPES.prefill_chunk, PROMPT)
-    plain = [e.token for e in plain_decode(target, first, len(PROMPT), 20, SamplingParams(), None,
-                                           Workspace(SHAPES.k, V), Metrics())]
+    plain = [e.token for e in decode(target, Plain(), first, len(PROMPT), 20, SamplingParams(), None,
+                                     Workspace(SHAPES.k, V), Metrics(), seq=list(PROMPT))]
     assert plain == _expected(PROMPT, 20)
     target, draft = _open(world), _open(world, "draft")
     first = prefill(target, SHAPES.prefill_chunk, PROMPT)
-    prefill(draft, SHAPES.prefill_chunk, PROMPT)
+    drafter = DraftModel(draft, SHAPES.k, V, prefill_tokens=SHAPES.prefill_chunk)
+    drafter.begin(PROMPT)
     m = Metrics(k=SHAPES.k)
-    spec = [e.token for e in speculative_decode(target, draft, first, len(PROMPT), 20, SamplingParams(), None,
-                                                Workspace(SHAPES.k, V), m, draft_start=len(PROMPT),
-                                                shared_cache=False, seq=list(PROMPT))]
+    spec = [e.token for e in decode(target, FixedDraft(drafter), first, len(PROMPT), 20, SamplingParams(), None,
+                                    Workspace(SHAPES.k, V), m, seq=list(PROMPT))]
     assert spec == plain and 0 < m.accepted < m.drafted     # some drafts rejected: the caches were rewound
     assert target.graph_stats()["verify"].replays > 0 and draft.graph_stats()["decode"].replays > 0
 
@@ -138,8 +139,8 @@ def test_a_failed_capture_falls_back_to_plain_enqueues_and_the_tokens_do_not_cha
     world.trt = fake_tensorrt(world.calls, rt, world.entries, SHAPES.kv_capacity)
     m = _open(world, rt=rt)
     first = prefill(m, SHAPES.prefill_chunk, PROMPT)
-    out = [e.token for e in plain_decode(m, first, len(PROMPT), 10, SamplingParams(), None, Workspace(SHAPES.k, V),
-                                         Metrics())]
+    out = [e.token for e in decode(m, Plain(), first, len(PROMPT), 10, SamplingParams(), None, Workspace(SHAPES.k, V),
+                                   Metrics(), seq=list(PROMPT))]
     assert out == _expected(PROMPT, 10) and set(m.eager_fallbacks) == {"decode"}
     assert not any(c[0] == "cudaGraphLaunch" for c in world.calls)
     assert "capture of the decode graph failed" in caplog.text

@@ -12,7 +12,7 @@ import pytest
 
 from specrt.runtime import SpeculativeGenerator
 from specrt.runtime.adaptive import AdaptiveK, StepCosts
-from specrt.runtime.proposers import one_guess
+from specrt.runtime.proposers import Chain, OneGram, PromptLookup
 
 PROMPTS = [[5, 6, 7], [40, 50, 60, 70, 80, 90, 100], list(range(10, 40)), [1, 99]]
 REPEATS = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9]
@@ -50,11 +50,17 @@ def test_pair_verdicts_move_only_the_pair_estimate():
     assert p.rounds["pair"] == 15
 
 
-def test_one_guess_takes_the_lookup_guess_else_a_one_gram_match():
-    assert one_guess([1, 2, 3], [9, 8]) == 9
-    assert one_guess([4, 5, 6, 4], ()) == 5
-    assert one_guess([4, 5, 4, 6, 4], ()) == 6          # the latest earlier occurrence
-    assert one_guess([4, 5, 6], ()) is None and one_guess([4], ()) is None
+def test_a_pair_round_takes_the_lookup_guess_else_a_one_gram_match():
+    from specrt.runtime.loop import Lookup
+    plan = Lookup(PromptLookup(2, 4), Chain([OneGram()])).next
+    p = plan([1, 2, 9, 1, 2], 1)                        # the 2-gram match continues with one token
+    assert (p.kind, list(p.ready.tokens)) == ("pair", [9])
+    p = plan([4, 5, 6, 4], 4)                           # no 2-gram match: the 1-gram match
+    assert (p.kind, list(p.ready.tokens)) == ("pair", [5])
+    p = plan([4, 5, 4, 6, 4], 4)                        # the latest earlier occurrence
+    assert (p.kind, list(p.ready.tokens)) == ("pair", [6])
+    assert plan([4, 5, 6], 4).kind == "plain" and plan([4], 4).kind == "plain"
+    assert plan([1, 2, 9, 1, 2], 0).kind == "plain"     # no room for a second token
 
 
 # --- through the generator ------------------------------------------------------------------
@@ -208,7 +214,7 @@ def test_a_build_with_ngram_tokens_0_ships_no_table(tmp_path, tiny_pair):
 def test_the_lookup_simulation_replays_the_pair_rounds_the_loop_runs(int4_costed, prompt):
     """bench's prediction (simulate_lookup on the plain output) counts the rounds, pair rounds
     and verify passes that method='lookup' actually runs."""
-    from specrt.runtime.proposers import simulate_lookup
+    from specrt.lookup_sim import simulate_lookup
     g = SpeculativeGenerator(int4_costed)
     plain = _tokens(g, prompt, 40, "plain")
     calls = _record_graphs(g)

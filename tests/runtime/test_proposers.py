@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specrt.runtime.proposers import LookupStats, lookup, predicted_lookup_speedup, simulate_lookup
+from specrt.lookup_sim import LookupStats, predicted_lookup_speedup, simulate_lookup
+from specrt.runtime.proposers import lookup
 
 
 def test_lookup_proposes_what_followed_the_latest_earlier_match():

@@ -20,7 +20,7 @@ import pytest
 from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
 
 from specrt.runtime import SamplingParams, SpeculativeGenerator
-from specrt.runtime import loop as loop_mod
+from specrt.runtime import rounds as rounds_mod
 from specrt.runtime.sampling import Verdict, sample
 
 PROMPT = [40, 50, 60, 70]
@@ -209,7 +209,7 @@ def _resample_from_p(p, q, draft_tokens, rng, scratch):
 
 @pytest.mark.parametrize("wrong", [_always_accept, _resample_from_p])
 def test_a_wrong_accept_rule_fails_the_same_check(gen, exact, monkeypatch, wrong):
-    monkeypatch.setattr(loop_mod, "verify_sampled", wrong)
+    monkeypatch.setattr(rounds_mod, "verify_sampled", wrong)
     fit = fit_of(exact, sample_prefixes(gen, N // 2))
     assert not fit.passes and fit.p_value < P_VALUE_CEILING, fit
 

@@ -1,0 +1,164 @@
+"""ONNX Runtime (CPU) for the batched engine: one model's batch graphs over a cache of many rows.
+Implements runtime/batch/model.py's BatchModel for graphs exported with a symbolic batch
+dimension (export/batch.py; manifest graph `batch: "dynamic"`), and a symbolic or static T.
+
+    cache    per layer, K and V: [rows, KVH, capacity, D], allocated once (rows = max_num_seqs)
+    step     rows first_row..first_row+n-1 bind the view cache[first_row:first_row+n] (the
+             leading axis: a contiguous view, no copy); ids [n, T], past_len [n] and logits
+             [n, T, V] are views of flat buffers made once for the largest call
+
+Graph entries that name one file (a dynamic-T graph serving prefill, decode and verify) share
+one session: one pre-packed copy of the weights (ONNX Runtime's Python API cannot share
+pre-packed weights between sessions, so each session holds its own). IO bindings are made
+once per (graph, first_row, n, T) and reused; output buffers are reused: read the logits
+before the next step.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from specrt.errors import BackendError, GraphFileError, ManifestError
+from specrt.manifest import ModelEntry, Shapes
+from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
+
+
+class BatchKV:
+    """The KV cache of `rows` sequences: keys[i], values[i]: [rows, KVH, capacity, D]."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, rows: int, dtype=np.float32):
+        self.rows, self.capacity, self.dtype = rows, capacity, np.dtype(dtype)
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.keys = [np.zeros(shape, dtype) for _ in range(layers)]
+        self.values = [np.zeros(shape, dtype) for _ in range(layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for a in self.keys + self.values:
+            np.copyto(a[dst, :, :length], a[src, :, :length])
+
+
+def batch_graphs(entry: ModelEntry) -> bool:
+    """Were this model's graphs exported with a batch dimension?"""
+    return all(getattr(g, "batch", None) == "dynamic" for g in entry.graphs.values())
+
+
+class OrtBatchModel:
+    def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, rows: int, cache: BatchKV | None = None,
+                 graphs: tuple[str, ...] | None = None, threads: int = 2, min_rows: int | None = None):
+        if not batch_graphs(entry):
+            raise ManifestError(f"the {entry.role} graphs of these engines have no batch dimension (built by an "
+                                "older specrt): rebuild them with `specrt build` to serve many requests at once, "
+                                "or use the one-stream SpeculativeGenerator")
+        d = entry.dims
+        self.entry, self.rows = entry, rows
+        self.shares_cache = cache is not None
+        dt = io_dtypes(entry)
+        self.cache = cache or BatchKV(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]), rows,
+                                      DTYPES[dt["kv"]])
+        check_weights_file(root, entry)
+        names = graphs or tuple(entry.graphs)
+        self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
+                             else 0 for g in names}
+        # kernels whose one-row path rounds differently from their multi-row path (MatMulNBits with int8
+        # compute) must never see a one-row call: the manifest says so (calibration/rows.py)
+        self.min_rows = int(min_rows if min_rows is not None else entry.io.get("min_rows", 1))
+        self.in_place = entry.in_place
+        self.io = entry.io
+        self._sessions: dict[str, ort.InferenceSession] = {}
+        self._file_of = {g: entry.graphs[g].file for g in names}
+        for g in names:
+            f = self._file_of[g]
+            if f not in self._sessions:
+                self._sessions[f] = _session(root / f, threads)
+        t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2)
+        V = int(d["vocab"])
+        self._ids = np.zeros(rows * t_max, DTYPES[dt["input_ids"]])
+        self._past = np.zeros(rows, DTYPES[dt["past_len"]])
+        self._logits = np.zeros(rows * t_max * V, DTYPES[dt["logits"]])
+        kvh, hd = int(d["kv_heads"]), int(d["head_dim"])
+        self._new = [np.zeros(rows * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
+            if not self.in_place else []
+        self._vocab, self._kvh, self._hd = V, kvh, hd
+        self._bindings: dict[tuple, tuple] = {}
+
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
+        n, T = tokens.shape
+        assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
+        assert first_row + n <= self.rows, (first_row, n, self.rows)
+        static = self.graph_tokens[graph]
+        assert not static or T == static, (graph, T, static)
+        binding, ids, past, logits, new = self._binding(graph, first_row, n, T)
+        np.copyto(ids, tokens)
+        np.copyto(past, starts)
+        self._sessions[self._file_of[graph]].run_with_iobinding(binding)
+        if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
+            for j, buf in enumerate(self.cache.keys + self.cache.values):
+                nk = new[j]
+                for i in range(n):
+                    s = int(starts[i])
+                    np.copyto(buf[first_row + i, :, s:s + T], nk[i])
+        return logits
+
+    def _binding(self, graph: str, first_row: int, n: int, T: int):
+        key = (self._file_of[graph], first_row, n, T)
+        if key in self._bindings:
+            return self._bindings[key]
+        sess, io = self._sessions[key[0]], self.io
+        ids = self._ids[:n * T].reshape(n, T)
+        past = self._past[:n]
+        logits = self._logits[:n * T * self._vocab].reshape(n, T, self._vocab)
+        b = sess.io_binding()
+        hold = []
+
+        def value(arr):
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            hold.append(v)
+            return v
+
+        b.bind_ortvalue_input(io["input_ids"], value(ids))
+        b.bind_ortvalue_input(io["past_len"], value(past))
+        b.bind_ortvalue_output(io["logits"], value(logits))
+        new = []
+        layers = self.entry.layers
+        for i in range(layers):
+            for j, (buf, past_name, out_name) in enumerate((
+                    (self.cache.keys[i], "past_key", "present_key" if self.in_place else "new_key"),
+                    (self.cache.values[i], "past_value", "present_value" if self.in_place else "new_value"))):
+                view = value(buf[first_row:first_row + n])
+                b.bind_ortvalue_input(io[past_name] % i, view)
+                if self.in_place:   # GroupQueryAttention / TensorScatter write the new rows in place
+                    b.bind_ortvalue_output(io[out_name] % i, view)
+                else:
+                    nb = self._new[2 * i + j][:n * self._kvh * T * self._hd].reshape(n, self._kvh, T, self._hd)
+                    new.append(nb)
+                    b.bind_ortvalue_output(io[out_name] % i, value(nb))
+        if not self.in_place:       # keys first, then values, as cache.keys + cache.values
+            new = new[0::2] + new[1::2]
+        self._bindings[key] = entry = (b, ids, past, logits, new, hold)
+        return entry[:5]
+
+
+def _session(path: Path, threads: int) -> ort.InferenceSession:
+    if not path.is_file():
+        raise GraphFileError(f"graph file {path} is missing: rebuild the engines")
+    try:
+        onnx.load(str(path), load_external_data=False)
+    except Exception as e:
+        raise GraphFileError(f"graph file {path} is not a readable ONNX file ({type(e).__name__}): rebuild the "
+                             "engines") from None
+    try:
+        return ort.InferenceSession(str(path), session_options(threads, "fast"), providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise BackendError(f"ONNX Runtime {ort.__version__} could not load {path} ({type(e).__name__}: "
+                           f"{str(e).strip()[:500]}): install the onnxruntime version the engines were built with "
+                           "(`specrt inspect` lists it), or rebuild them") from e
+
+
+__all__ = ["BatchKV", "OrtBatchModel", "batch_graphs", "ORT_TYPES"]

@@ -1,0 +1,282 @@
+"""Continuous batching: many requests, one model, one step at a time for all of them.
+
+Each call to `step()`:
+
+    1. drop requests that were cancelled or passed their deadline (waiting or running)
+    2. admit the oldest waiting request into the free cache row after the running ones,
+       if a row is free and no other prompt is being prefilled
+    3. one round for every running row: plain, pair, lookup or draft, chosen for the batch
+       by measured cost (policy.py); each row keeps its own agreeing prefix and its own
+       length, and emits the target's choices (choice.py), so its tokens do not depend on
+       what else is in the batch
+    4. one prefill chunk of the admitted request (so a running stream waits for at most
+       one chunk per step); after its last chunk it gets its first token and runs
+    5. rows that finished (EOS, a stop string, max_new_tokens, the maximum context) leave;
+       the last running row moves into the gap so rows stay contiguous (model.py)
+
+Single-threaded by design: `step()` runs on one thread (runtime/batch/generator.py starts
+it); `add()` and `Request.cancel()` may be called from any thread.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specrt.runtime.batch.choice import choose, first_mismatch
+from specrt.runtime.batch.model import BatchModel
+from specrt.runtime.batch.policy import BatchPolicy, StepChoice
+from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row
+from specrt.runtime.rounds import RoundKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0                      # decode/verify steps over the running rows
+    prefill_chunks: int = 0
+    row_steps: int = 0                  # sum over steps of the rows in them (occupancy = row_steps / steps)
+    tokens: int = 0
+    finished: int = 0
+    choices: collections.Counter = field(default_factory=collections.Counter)   # step kind -> count
+
+    @property
+    def occupancy(self) -> float:
+        return self.row_steps / self.steps if self.steps else 0.0
+
+
+class BatchEngine:
+    def __init__(self, target: BatchModel, *, max_num_seqs: int, max_context: int, prefill_tokens: int,
+                 k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
+                 draft: BatchModel | None = None, clock=time.monotonic):
+        """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`)."""
+        if max_num_seqs < 1 or max_num_seqs > target.cache.rows:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {target.cache.rows}] (the cache's rows)")
+        self.target, self.draft, self.policy = target, draft, policy
+        self.max_num_seqs, self.max_context, self.k_max, self.vocab = max_num_seqs, max_context, k_max, vocab
+        self.prefill_tokens = prefill_tokens
+        self.tokenizer, self.clock = tokenizer, clock
+        self.eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset(eos)
+        self.rows: list[Row] = []           # running, in cache rows 0..n-1
+        self.pending: Row | None = None     # being prefilled, in cache row len(self.rows)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        T = max(self._graph_t("verify", k_max + 1), self._graph_t("decode", 2), prefill_tokens, 2)
+        self._tokens = np.zeros((max_num_seqs, T), np.int64)     # [n, T] a step's token windows
+        self._starts = np.zeros(max_num_seqs, np.int64)          # [n] each row's past length
+        self._scratch = np.zeros(vocab, np.float32)
+
+    # --- any thread -----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        with self._lock:
+            self.waiting.append(req)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows) + (self.pending is not None)
+
+    def idle(self) -> bool:
+        return not self.rows and self.pending is None and not self.waiting
+
+    # --- the engine thread ------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration (see the module docstring). Returns False when there was nothing to do."""
+        self._drop_cancelled()
+        self._admit()
+        did = False
+        if self.rows:
+            self._round()
+            did = True
+        if self.pending is not None:
+            self._prefill_chunk()
+            did = True
+        self._evict()
+        return did
+
+    def fail_all(self, error: Exception) -> None:
+        """Fail every request (the model raised): the engine cannot go on safely."""
+        with self._lock:
+            reqs = [r.req for r in self.rows] + ([self.pending.req] if self.pending else []) + list(self.waiting)
+            self.rows, self.pending = [], None
+            self.waiting.clear()
+        for req in reqs:
+            req.sink(Failed(error))
+
+    def _drop_cancelled(self) -> None:
+        now = self.clock()
+
+        def why(req: Request) -> str | None:
+            if req.cancelled.is_set():
+                return "cancelled"
+            return "timeout" if req.deadline is not None and now >= req.deadline else None
+
+        with self._lock:
+            kept = collections.deque()
+            for req in self.waiting:
+                reason = why(req)
+                if reason:
+                    req.sink(Done(reason, len(req.prompt), 0, Row(req, 0, None, {}, 0).metrics))
+                else:
+                    kept.append(req)
+            self.waiting = kept
+        for row in self.rows + ([self.pending] if self.pending else []):
+            reason = why(row.req)
+            if reason and row.finish is None:
+                row.finish = reason
+
+    def _admit(self) -> None:
+        if self.pending is not None or len(self.rows) >= self.max_num_seqs:
+            return
+        with self._lock:
+            if not self.waiting:
+                return
+            req = self.waiting.popleft()
+        budget = min(req.max_new_tokens, self.max_context - len(req.prompt))
+        self.pending = Row(req, budget, self.tokenizer, self.policy.priors, self.k_max)
+
+    def _prefill_chunk(self) -> None:
+        row, slot = self.pending, len(self.rows)
+        if row.finish is not None:         # cancelled while waiting for its prefill
+            return
+        prompt, T = row.req.prompt, self.prefill_tokens
+        chunk = prompt[row.length:row.length + T]
+        self._tokens[0, :T] = 0
+        self._tokens[0, :len(chunk)] = chunk
+        self._starts[0] = row.length
+        logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot)
+        row.length += len(chunk)
+        self.stats.prefill_chunks += 1
+        if not row.prefilled:
+            return
+        first = choose(logits[0, len(chunk) - 1], row.req.params, row.req.seed, len(prompt), self._scratch)
+        self.pending = None
+        self.rows.append(row)
+        self._emit(row, (), first)
+
+    def _round(self) -> None:
+        rows = self.rows
+        n = len(rows)
+        choice = self.policy.choose(rows, self._graph_t)
+        self.stats.steps += 1
+        self.stats.row_steps += n
+        self.stats.choices[choice.kind.value] += 1
+        proposals = choice.proposals
+        if choice.kind is RoundKind.DRAFT:
+            proposals = self._draft(choice)
+        T = choice.tokens
+        toks, starts = self._tokens[:n, :T], self._starts[:n]
+        toks.fill(0)
+        for i, row in enumerate(rows):
+            p = proposals[i]
+            toks[i, 0] = row.seq[-1]
+            toks[i, 1:1 + len(p)] = p
+            starts[i] = row.length
+        logits = self.target.step(choice.kind.graph, toks, starts, 0)     # [n, T, V]
+        for i, row in enumerate(rows):
+            p = proposals[i]
+            accepted, nxt = first_mismatch(logits[i, :len(p) + 1], p, row.req.params, row.req.seed,
+                                           row.position(), self._scratch)
+            self.policy.observe(row, choice.kind, len(p), accepted)
+            row.metrics.record_iteration(len(p), accepted)
+            row.metrics.pair_rounds += choice.kind is RoundKind.PAIR
+            row.metrics.lookup_rounds += choice.kind is RoundKind.LOOKUP and len(p) > 0
+            row.metrics.plain_steps += choice.kind is RoundKind.PLAIN
+            self._emit(row, p[:accepted], nxt)
+
+    def _draft(self, choice: StepChoice) -> list:
+        """k steps of a shared-cache draft over all rows: its guesses go into target cache rows
+        the verify pass then overwrites (row i drafts min(k, its room) tokens)."""
+        rows, n, k = self.rows, len(self.rows), choice.k
+        out = [np.zeros(min(k, max(r.room, 0)), np.int64) for r in rows]
+        toks, starts = self._tokens[:n, :1], self._starts[:n]
+        cur = [r.seq[-1] for r in rows]
+        for j in range(k):
+            for i, row in enumerate(rows):
+                toks[i, 0] = cur[i]
+                starts[i] = row.length + j
+            logits = self.draft.step("decode", toks, starts, 0)
+            for i, row in enumerate(rows):
+                if j < len(out[i]):
+                    cur[i] = out[i][j] = choose(logits[i, 0], row.req.params, row.req.seed, row.position() + j,
+                                                self._scratch)
+        return out
+
+    def _emit(self, row: Row, accepted, nxt: int) -> None:
+        """Append the round's tokens to the row, stopping at EOS, a stop string or the budget."""
+        text, toks, flags = [], [], []
+        for tok, from_draft in [(int(t), True) for t in accepted] + [(int(nxt), False)]:
+            row.seq.append(tok)
+            row.emitted += 1
+            row.metrics.tokens += 1
+            self.stats.tokens += 1
+            if row.text is not None:
+                chunk, reason = row.text.push(tok, from_draft)
+                if chunk is not None:
+                    text.append(chunk.text)
+                    toks += chunk.tokens
+                    flags += chunk.from_draft
+            else:
+                reason = "eos" if tok in self.eos else None
+                if reason is None:
+                    toks.append(tok)
+                    flags.append(from_draft)
+            if reason is None and row.emitted >= row.budget:
+                reason = "length" if row.budget == row.req.max_new_tokens else "max_context"
+                if row.text is not None and (rest := row.text.flush()) is not None:
+                    text.append(rest.text)
+            if reason:
+                row.finish = reason
+                break
+        row.length = len(row.seq) - 1
+        if text or toks:
+            row.req.sink(Delta("".join(text), tuple(toks), tuple(flags)))
+
+    def _evict(self) -> None:
+        """Finished rows leave; the last running row moves into each gap, and the row being
+        prefilled (after the running ones) moves down with them."""
+        i = 0
+        while i < len(self.rows):
+            row = self.rows[i]
+            if row.finish is None:
+                i += 1
+                continue
+            last = len(self.rows) - 1
+            if i != last:
+                self._move(last, i, self.rows[last].length)
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+            if self.pending is not None:       # keep it right after the running rows
+                self._move(last + 1, last, self.pending.length)
+            self._finish(row)
+        if self.pending is not None and self.pending.finish is not None:
+            row, self.pending = self.pending, None
+            self._finish(row)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        self.target.cache.move_row(src, dst, length)
+        if self.draft is not None and not self.draft.shares_cache:
+            self.draft.cache.move_row(src, dst, length)
+
+    def _finish(self, row: Row) -> None:
+        self.stats.finished += 1
+        row.metrics.finish_reason = row.finish
+        row.req.sink(Done(row.finish, len(row.req.prompt), row.emitted, row.metrics))
+
+    def _graph_t(self, graph: str, want: int, n: int = 1) -> int:
+        """T of a step of n rows through `graph` that carries `want` tokens a row: the graph's
+        static T; for a graph with a dynamic T, `want`, raised so that the call has at least the
+        model's min_rows rows (kernels whose single-row path rounds differently never run it)."""
+        static = self.target.graph_tokens.get(graph, 0)
+        if static:
+            return static
+        return max(want, -(-self.target.min_rows // n))

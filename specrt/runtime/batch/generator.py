@@ -1,0 +1,169 @@
+"""`BatchGenerator`: one engine (one copy of the weights) for many requests at once.
+
+    gen = BatchGenerator("artifacts/smollm2-int4", max_num_seqs=8)
+    h = gen.submit("Tell me a joke.", chat=True, max_new_tokens=64)     # from any thread
+    for chunk in h.chunks():
+        print(chunk.text, end="")
+    outs = gen.generate_batch(["one", "two", "three"], max_new_tokens=32)   # offline
+    gen.close()
+
+A background thread runs the engine's steps (engine.py: continuous batching, speculation
+chosen per step); requests are submitted from any thread or coroutine and stream their
+events (request.py: Delta, Done, Failed) to a sink: by default the handle's own queue,
+which `chunks()` / `result()` read; a server passes its own sink (an event loop's
+`call_soon_threadsafe`). Greedy tokens equal the request run alone; a seeded sample is the
+same whatever else is in the batch (choice.py).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from specrt.errors import ConfigError, OverloadedError, SpecrtError
+from specrt.runtime.batch.engine import BatchEngine
+from specrt.runtime.batch.request import Delta, Done, Failed, Request
+from specrt.runtime.prompt import check_request, encode_prompt
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.text import Chunk, Completion, _stop_strings
+
+log = logging.getLogger(__name__)
+
+
+class Handle:
+    """One submitted request: read its events (`events()`), its text (`chunks()`), or wait for
+    the whole answer (`result()`); `cancel()` stops it at the next step."""
+
+    def __init__(self, req: Request, q: "queue.SimpleQueue | None"):
+        self.request, self._q = req, q
+        self.done: Done | None = None
+
+    def cancel(self) -> None:
+        self.request.cancel()
+
+    def events(self, timeout: float | None = None) -> Iterator[Delta | Done]:
+        if self._q is None:
+            raise SpecrtError("this request streams to the sink it was submitted with, not to its handle")
+        while self.done is None:
+            try:
+                ev = self._q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no event from the engine within {timeout} s") from None
+            if isinstance(ev, Failed):
+                raise ev.error
+            if isinstance(ev, Done):
+                self.done = ev
+            yield ev
+
+    def chunks(self, timeout: float | None = None) -> Iterator[Chunk]:
+        for ev in self.events(timeout):
+            if isinstance(ev, Delta):
+                yield Chunk(ev.text, list(ev.tokens), list(ev.from_draft))
+
+    def result(self, timeout: float | None = None) -> Completion:
+        text, toks = [], []
+        for c in self.chunks(timeout):
+            text.append(c.text)
+            toks += c.tokens
+        d = self.done
+        return Completion("".join(text), toks, d.finish_reason, d.metrics, d.prompt_tokens)
+
+
+class BatchGenerator:
+    def __init__(self, engine: BatchEngine, tokenizer=None, *, max_queue: int | None = None):
+        """Runs `engine` on a background thread (see `open_batch` for an engine folder).
+        max_queue: most requests waiting for a row (None: no limit); beyond it submit raises."""
+        self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
+        self._wake = threading.Condition()
+        self._closed = False
+        self._ids = 0
+        self._thread = threading.Thread(target=self._run, name="specrt-batch-engine", daemon=True)
+        self._thread.start()
+
+    # --- requests -----------------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
+               timeout: float | None = None, sink: Callable[[object], None] | None = None) -> Handle:
+        """Queue a request. timeout: seconds from now after which it ends with reason "timeout".
+        sink: receives its events on the engine thread (None: the handle's own queue)."""
+        if self._closed:
+            raise ConfigError("this BatchGenerator is closed")
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        eng = self.engine
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ConfigError("this engine has no tokenizer: pass token ids")
+        ids = encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
+        ids = check_request(ids, max_new_tokens, eng.max_context, eng.vocab)
+        stops = tuple(_stop_strings(stop))
+        if stops and self.tokenizer is None:
+            raise ConfigError("stop strings need the engine's tokenizer")
+        if self.max_queue is not None and eng.queued >= self.max_queue:
+            raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
+                                 "retry later, or raise max_queue / max_num_seqs")
+        q = queue.SimpleQueue() if sink is None else None
+        self._ids += 1
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        deadline = None if timeout is None else eng.clock() + timeout
+        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, self._ids)
+        eng.add(req)
+        with self._wake:
+            self._wake.notify()
+        return Handle(req, q)
+
+    def stream(self, prompt, **kw) -> Iterator[Chunk]:
+        h = self.submit(prompt, **kw)
+        try:
+            yield from h.chunks()
+        finally:
+            if h.done is None:
+                h.cancel()
+
+    def generate(self, prompt, **kw) -> Completion:
+        return self.submit(prompt, **kw).result()
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kw) -> list[Completion]:
+        """Every prompt submitted at once; answers in the prompts' order."""
+        handles = [self.submit(p, **kw) for p in prompts]
+        return [h.result() for h in handles]
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop: running and waiting requests are cancelled (Done "cancelled"), the thread joins."""
+        self._closed = True
+        for r in list(self.engine.rows) + ([self.engine.pending] if self.engine.pending else []):
+            r.req.cancel()
+        for req in list(self.engine.waiting):
+            req.cancel()
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                busy = eng.step()
+            except Exception as e:          # the model failed: fail every request, keep serving new ones
+                log.exception("batched step failed")
+                eng.fail_all(e if isinstance(e, SpecrtError) else
+                             SpecrtError(f"internal error in the batched engine ({type(e).__name__}: {e})"))
+                busy = False
+            if self._closed and eng.idle():
+                return
+            if not busy:
+                with self._wake:
+                    if eng.idle() and not self._closed:
+                        self._wake.wait(0.05)        # wake for new requests; deadlines are checked each step
+                    elif not eng.rows and eng.pending is None:
+                        time.sleep(0.001)

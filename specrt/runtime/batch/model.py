@@ -1,0 +1,40 @@
+"""What the batched engine needs from a backend: one model's graphs over a cache of many rows.
+
+    cache   [rows, kv_heads, capacity, head_dim] per layer and K/V, allocated once
+            (rows = max_num_seqs). Row r holds one request; rows in use are kept contiguous
+            from 0 (the engine moves a row down when one before it leaves), so a step over n
+            rows binds the first n rows of the buffer, a view, no copy.
+
+    step(graph, tokens [n, T], starts [n], first_row) -> logits [n, T, V]
+            rows first_row..first_row+n-1; row i's tokens sit at positions starts[i]..+T-1,
+            their K/V written into its cache rows (padding tokens past a row's own tokens
+            write rows past its length, which nothing reads). The result is a reused buffer.
+
+A shared-cache draft (the int8 copy of the target) is a second BatchModel over the same
+cache (`shares_cache`); moving a row moves it for both.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class BatchCache(Protocol):
+    rows: int
+    capacity: int
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy K/V rows [0, length) of cache row `src` into cache row `dst`."""
+        ...
+
+
+@runtime_checkable
+class BatchModel(Protocol):
+    cache: BatchCache
+    shares_cache: bool
+    graph_tokens: dict[str, int]     # static T of each graph ("prefill", "decode", "verify"); 0: any T
+    min_rows: int                    # never run fewer rows (n*T) than this in one call (see manifest)
+
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray: ...

@@ -1,0 +1,142 @@
+"""Speculation chosen per step, for the whole batch, by measured cost.
+
+A step runs every running row through one target pass of T tokens per row. Candidates:
+
+    plain   T = the decode graph's              rate = n / c(n, T)
+    pair    T = 2 (a two-row decode graph)      rate = sum_r (1 + a_pair,r [r has a guess]) / c(n, 2)
+    lookup  T = the verify graph's              rate = sum_r E(a_lookup,r, g_r) / c(n, T)
+    draft   k shared-cache draft steps + verify rate = sum_r E(a_draft,r, k_r) / (k d(n) + c(n, T))
+
+c(n, T): the target's measured step time over n rows of T tokens; d(n): a draft step over
+n rows (manifest `build.speculation.batch_costs_ms`, measured by the build). E(a, k) =
+(1 - a^(k+1)) / (1 - a), with each row's own acceptance estimate per proposer (a Beta
+with forgetting, as runtime/adaptive.py). Guesses (prompt lookup, the 1-gram match, the
+n-gram table) are per row. Which step runs changes only the speed: every row emits the
+target's own choices (choice.py), so greedy output equals the request run alone and a
+seeded sample is the same whatever the batch.
+
+Without measured batch costs the policy runs plain steps only (it cannot know what pays).
+Costs are fixed numbers, not timed online, so the choices are reproducible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from specrt.runtime.adaptive import expected_tokens
+from specrt.runtime.proposers.base import Proposer
+from specrt.runtime.rounds import RoundKind
+
+NONE = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    kind: RoundKind
+    tokens: int                          # T of the target pass
+    proposals: Sequence[np.ndarray]      # per row: the tokens to verify (empty: just `cur`)
+    k: int = 0                           # draft steps (kind DRAFT; proposals are made by the engine)
+    rate: float = 0.0                    # expected tokens per ms
+
+
+class BatchCosts:
+    """Step costs (ms) measured at some row counts; other counts interpolate linearly between
+    the nearest measured ones (and extrapolate from the last two beyond them).
+
+    target: {T: {n: ms}} for the target's passes; draft: {n: ms} for one draft step."""
+
+    def __init__(self, target: dict[int, dict[int, float]], draft: dict[int, float] | None = None):
+        if not target:
+            raise ValueError("no target costs")
+        self._target = {int(T): {int(n): float(v) for n, v in by_n.items()} for T, by_n in target.items()}
+        self._draft = {int(n): float(v) for n, v in (draft or {}).items()}
+
+    @classmethod
+    def from_manifest(cls, speculation: dict | None) -> "BatchCosts | None":
+        c = (speculation or {}).get("batch_costs_ms")
+        if not c:
+            return None
+        try:
+            return cls(c["target"], c.get("draft"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def target(self, n: int, T: int) -> float:
+        Ts = sorted(self._target)
+        t = min(Ts, key=lambda x: (abs(x - T), -x))        # the nearest measured T (ties: the larger)
+        return _interp(self._target[t], n)
+
+    def draft(self, n: int) -> float | None:
+        return _interp(self._draft, n) if self._draft else None
+
+
+def _interp(by_n: dict[int, float], n: int) -> float:
+    ns = sorted(by_n)
+    if n in by_n:
+        return by_n[n]
+    if len(ns) == 1:
+        return by_n[ns[0]] * n / ns[0]
+    lo = max([x for x in ns if x < n], default=ns[0])
+    hi = min([x for x in ns if x > n], default=ns[-1])
+    if lo == hi:                      # beyond the measured range: extend the last segment
+        lo, hi = (ns[-2], ns[-1]) if n > ns[-1] else (ns[0], ns[1])
+    return by_n[lo] + (by_n[hi] - by_n[lo]) * (n - lo) / (hi - lo)
+
+
+class BatchPolicy:
+    def __init__(self, costs: BatchCosts | None, k_max: int, *, lookup: Proposer | None = None,
+                 pair_guess: Proposer | None = None, draft: bool = False, priors: dict[str, float] | None = None,
+                 pair: bool = True):
+        """lookup: prompt lookup (per row); pair_guess: the one-token guessers after lookup's own
+        (the 1-gram match, the n-gram table); draft: a shared-cache draft model is loaded;
+        pair: the target can run a two-token decode step."""
+        self.costs, self.k_max, self.lookup, self.pair_guess = costs, k_max, lookup, pair_guess
+        self.has_draft, self.has_pair = draft, pair
+        self.priors = {"draft": 0.8, "lookup": 0.5, "pair": 0.3, **(priors or {})}
+
+    def choose(self, rows, graph_t: Callable[[str, int, int], int]) -> StepChoice:
+        """graph_t(graph, tokens wanted per row, rows) -> T the step will run."""
+        n = len(rows)
+        plain_t = graph_t("decode", 1, n)
+        plain = StepChoice(RoundKind.PLAIN, plain_t, [NONE] * n)
+        if self.costs is None:
+            return plain
+        c = self.costs
+        best = StepChoice(RoundKind.PLAIN, plain_t, plain.proposals, rate=n / c.target(n, plain_t))
+        rooms = [max(min(self.k_max, r.room), 0) for r in rows]
+        guesses = [self._guess(r.seq, room) for r, room in zip(rows, rooms)] if self.lookup else [NONE] * n
+        if self.has_pair and any(rooms):
+            ones = [g[:1] if len(g) else (self._one(r.seq) if room else NONE) for r, g, room in zip(rows, guesses, rooms)]
+            if any(len(o) for o in ones):
+                T = graph_t("decode", 2, n)
+                if T == 2:
+                    e = sum(expected_tokens(r.accept["pair"].mean, len(o)) for r, o in zip(rows, ones))
+                    best = _better(best, StepChoice(RoundKind.PAIR, T, ones, rate=e / c.target(n, T)))
+        if any(len(g) for g in guesses):
+            T = graph_t("verify", 1 + max(len(g) for g in guesses), n)
+            e = sum(expected_tokens(r.accept["lookup"].mean, len(g)) for r, g in zip(rows, guesses))
+            best = _better(best, StepChoice(RoundKind.LOOKUP, T, guesses, rate=e / c.target(n, T)))
+        d = c.draft(n) if self.has_draft else None
+        if d is not None and any(rooms):
+            for k in range(1, self.k_max + 1):
+                T = graph_t("verify", k + 1, n)
+                e = sum(expected_tokens(r.accept["draft"].mean, min(k, room)) for r, room in zip(rows, rooms))
+                best = _better(best, StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k,
+                                                rate=e / (k * d + c.target(n, T))))
+        return best
+
+    def observe(self, row, kind: RoundKind, k: int, accepted: int) -> None:
+        if kind is not RoundKind.PLAIN and k:
+            row.accept[kind.value].observe(k, accepted)
+
+    def _guess(self, seq, room: int) -> np.ndarray:
+        return self.lookup.propose(seq, room).tokens.copy() if room else NONE
+
+    def _one(self, seq) -> np.ndarray:
+        return self.pair_guess.propose(seq, 1).tokens.copy() if self.pair_guess is not None else NONE
+
+
+def _better(a: StepChoice, b: StepChoice) -> StepChoice:
+    return b if b.rate > a.rate else a

@@ -1,0 +1,83 @@
+"""A request in the batched engine, the row it runs in, and the events it streams.
+
+    Request  what the caller asked for (immutable), plus a cancel flag
+    Row      one running request: its cache row, tokens, lengths, text, estimates
+    events   Delta (text and tokens as they become final), Done (finish reason, counts),
+             Failed (a typed error): delivered to the request's `sink` from the engine thread
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specrt.runtime.adaptive import _Acceptance
+from specrt.runtime.metrics import Metrics
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.text import TextTail
+
+FINISH = ("eos", "stop", "length", "max_context", "cancelled", "timeout")
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    tokens: tuple[int, ...]
+    from_draft: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str          # one of FINISH
+    prompt_tokens: int
+    completion_tokens: int
+    metrics: Metrics
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: Exception
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int                                 # the seed in force (drawn at submission when params.seed is None)
+    stop: tuple[str, ...] = ()
+    deadline: float | None = None             # engine clock time after which the request times out
+    sink: Callable[[object], None] = lambda event: None
+    id: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Row:
+    """A request while it holds a cache row. seq: prompt + emitted tokens; `length`: rows of
+    the target cache with K/V (the prompt part prefilled so far, then len(seq) - 1)."""
+
+    def __init__(self, req: Request, budget: int, tokenizer, priors: dict[str, float], k_max: int):
+        self.req, self.budget = req, budget
+        self.seq = list(req.prompt)
+        self.length = 0                       # prefill progress, then target rows with K/V
+        self.emitted = 0
+        self.text = TextTail(tokenizer, req.stop) if tokenizer is not None else None
+        self.finish: str | None = None
+        self.metrics = Metrics(method="batched", k=k_max, prompt_tokens=len(req.prompt))
+        self.accept = {kind: _Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer
+
+    @property
+    def prefilled(self) -> bool:
+        return self.length >= len(self.req.prompt)
+
+    @property
+    def room(self) -> int:
+        """Tokens a round may propose: one round emits up to room + 1 (the budget is left)."""
+        return self.budget - self.emitted - 1
+
+    def position(self) -> int:
+        """Index in seq of the next token to choose."""
+        return len(self.seq)

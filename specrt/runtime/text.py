@@ -1,0 +1,130 @@
+"""Text in, text out: streaming chunks with stop strings over `SpeculativeGenerator.tokens`.
+
+`TextStreaming` is the text half of the public generator (runtime/generator.py): it turns
+the token stream into text chunks (held back while they may be the start of a stop
+string), stops on EOS, a stop string, the token budget or the maximum context, and
+reports which in `last_metrics.finish_reason`.
+"""
+from __future__ import annotations
+
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from specrt.errors import SamplingParamsError
+from specrt.runtime.metrics import Metrics
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.tokenizer import IncrementalDecoder
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output: the text it adds and the tokens behind it."""
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    metrics: Metrics
+    prompt_tokens: int = 0
+    message: str = field(default="")
+
+
+class TextStreaming:
+    """stream() and generate() for a class that has encode_prompt(), tokens(), tokenizer,
+    shapes and last_metrics (SpeculativeGenerator)."""
+
+    def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
+               system: str | None = None, method: str = "speculative", ngram: int = 2) -> Iterator[Chunk]:
+        """Yield text chunks as tokens are accepted; stops on EOS, a stop string, the token
+        budget or the maximum context (`last_metrics.finish_reason` says which)."""
+        ids = self.encode_prompt(prompt, chat=chat, system=system)
+        text = TextTail(self.tokenizer, stop)
+        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram)
+        with closing(gen):
+            for e in gen:
+                chunk, reason = text.push(e.token, e.from_draft)
+                if chunk is not None:
+                    yield chunk
+                if reason:
+                    self.last_metrics.finish_reason = reason
+                    break
+            else:
+                if (rest := text.flush()) is not None:
+                    yield rest
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
+        chunks = list(self.stream(prompt, **kw))
+        m = self.last_metrics
+        msg = ""
+        if m.finish_reason == "max_context":
+            msg = (f"stopped at the maximum context ({self.shapes.max_context} tokens); rebuild with a larger "
+                   "--max-context for longer outputs")
+        return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                          m.finish_reason, m, m.prompt_tokens, msg)
+
+
+
+def _stop_strings(stop) -> list[str]:
+    """`stop` is one string or a sequence of strings (a bare string is ONE stop, not its characters)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        stops = list(stop)
+    except TypeError:
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
+    for s in stops:
+        if not isinstance(s, str):
+            raise SamplingParamsError(f"stop strings must be str, got {s!r} ({type(s).__name__})")
+    return [s for s in stops if s]
+
+
+def _partial_stop_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best
+
+
+class TextTail:
+    """One request's tokens in, text chunks out: streaming detokenization, EOS and stop strings.
+
+    push(token) -> (chunk or None, finish reason or None): "eos" (the EOS token itself is not
+    reported; held-back text is released), "stop" (the token that completed a stop string is
+    reported, its text trimmed at the stop string). Text that may be the start of a stop string
+    is held back until it is not. flush() releases what is held when the tokens run out."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.eos = tokenizer.eos_token_ids
+        self.dec = IncrementalDecoder(tokenizer)
+        self.stop = _stop_strings(stop)
+        self.held = ""   # text not yet released because it may be the start of a stop string
+
+    def push(self, token: int, from_draft: bool = False) -> tuple[Chunk | None, str | None]:
+        if token in self.eos:
+            held, self.held = self.held, ""
+            return (Chunk(held, [], []) if held else None), "eos"
+        held = self.held + self.dec.push(token)
+        hit = min((i for i in (held.find(s) for s in self.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            self.held = ""
+            return Chunk(held[:hit], [token], [from_draft]), "stop"
+        keep = _partial_stop_suffix(held, self.stop)
+        out, self.held = held[:len(held) - keep], held[len(held) - keep:]
+        return Chunk(out, [token], [from_draft]), None
+
+    def flush(self) -> Chunk | None:
+        held, self.held = self.held, ""
+        return Chunk(held, [], []) if held else None

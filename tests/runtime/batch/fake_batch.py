@@ -1,0 +1,73 @@
+"""A toy language model behind the BatchModel protocol, for the engine's tests.
+
+Each cache row stores the token ids written into it; the logits at a position are a
+pseudo-random function of the whole prefix read back from that row. So a row that reads
+another row's tokens, a stale token past its length or a token never written gives other
+logits (and reading an unwritten slot fails at once): a mistake in the engine's rows,
+lengths or moves changes the output. Rows never influence each other: the model is batch
+invariant by construction, so any difference from a request run alone is the engine's.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+class FakeCache:
+    def __init__(self, rows: int, capacity: int):
+        self.rows, self.capacity = rows, capacity
+        self.tokens = np.full((rows, capacity), -1, np.int64)    # [rows, capacity]: what each slot holds
+        self.moves: list[tuple[int, int, int]] = []
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.tokens[dst, :length] = self.tokens[src, :length]
+        self.tokens[dst, length:] = -1         # nothing valid past the moved length
+        self.moves.append((src, dst, length))
+
+
+class FakeLM:
+    def __init__(self, vocab: int = 16, rows: int = 4, capacity: int = 96, *, graph_tokens=None, salt: bytes = b"",
+                 sharpness: float = 2.0, cache: FakeCache | None = None, min_rows: int = 1):
+        """salt: another salt gives another model (a draft that agrees only sometimes).
+        graph_tokens: static T per graph (0: any T)."""
+        self.vocab, self.salt, self.sharpness = vocab, salt, sharpness
+        self.shares_cache = cache is not None
+        self.cache = cache or FakeCache(rows, capacity)
+        self.graph_tokens = dict(graph_tokens or {"prefill": 8, "decode": 0, "verify": 0})
+        self.min_rows = min_rows
+        self.out = np.zeros((self.cache.rows, 64, vocab), np.float32)
+        self.calls: list[tuple[str, int, int, int]] = []       # (graph, rows, T, first_row)
+
+    def logits(self, prefix) -> np.ndarray:
+        """The model's logits after `prefix` (a sequence of ids): the reference for a test."""
+        h = hashlib.sha256(self.salt + np.asarray(prefix, np.int64).tobytes()).digest()
+        return np.random.default_rng(int.from_bytes(h[:8], "little")).normal(size=self.vocab).astype(np.float32) \
+            * self.sharpness
+
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
+        n, T = tokens.shape
+        static = self.graph_tokens.get(graph, 0)
+        assert not static or T == static, (graph, T, static)
+        assert n * T >= self.min_rows, (graph, n, T)
+        assert first_row + n <= self.cache.rows
+        self.calls.append((graph, n, T, first_row))
+        for i in range(n):
+            r, s = first_row + i, int(starts[i])
+            assert 0 <= s and s + T <= self.cache.capacity, (s, T)
+            self.cache.tokens[r, s:s + T] = tokens[i]
+            for t in range(T):
+                prefix = self.cache.tokens[r, :s + t + 1]
+                assert (prefix >= 0).all(), f"row {r} reads a slot never written: {prefix.tolist()}"
+                self.out[i, t] = self.logits(prefix)
+        return self.out[:n, :T]
+
+
+class FakeTokenizer:
+    """Token i is the letter chr(ord('a') + i % 26); `eos` ends a sequence."""
+
+    def __init__(self, eos: int):
+        self.eos_token_ids = frozenset({eos})
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids if int(i) not in self.eos_token_ids)

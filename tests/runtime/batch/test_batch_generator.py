@@ -1,0 +1,87 @@
+"""BatchGenerator: the engine on its own thread, requests from many threads, each streamed to
+its own handle; offline generate_batch; a failing model fails the requests, not the thread."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fake_batch import FakeTokenizer
+from test_batch_engine import EOS, PROMPTS, make_engine, reference
+
+from specrt.errors import OverloadedError, SpecrtError
+from specrt.runtime.batch.generator import BatchGenerator
+from specrt.runtime.sampling import SamplingParams
+
+
+@pytest.fixture()
+def gen():
+    eng, lm = make_engine(3, tokenizer=FakeTokenizer(EOS))
+    g = BatchGenerator(eng, FakeTokenizer(EOS))
+    g.lm = lm
+    yield g
+    g.close()
+
+
+def test_requests_from_many_threads_each_get_their_own_answer(gen):
+    out = {}
+
+    def client(i):
+        out[i] = gen.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12 + i)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, c in out.items():
+        want, reason = reference(gen.lm, PROMPTS[i % len(PROMPTS)], 12 + i)
+        assert (c.tokens, c.finish_reason) == (want, reason), i
+    assert len(out) == 8 and gen.engine.stats.occupancy > 1.0
+
+
+def test_generate_batch_keeps_the_prompts_order(gen):
+    outs = gen.generate_batch(PROMPTS, max_new_tokens=10)
+    assert [c.tokens for c in outs] == [reference(gen.lm, p, 10)[0] for p in PROMPTS]
+
+
+def test_closing_a_stream_early_cancels_its_request(gen):
+    s = gen.stream(PROMPTS[3], max_new_tokens=40)
+    next(s)
+    s.close()
+    c = gen.generate(PROMPTS[0], max_new_tokens=5)        # the engine carries on
+    assert c.tokens == reference(gen.lm, PROMPTS[0], 5)[0]
+    assert gen.engine.stats.finished >= 2
+
+
+def test_a_full_queue_refuses_with_a_typed_error(monkeypatch):
+    eng, lm = make_engine(1)
+    go = threading.Event()
+    real = eng.step
+    monkeypatch.setattr(eng, "step", lambda: go.wait(30) and real())     # the engine waits for the test
+    g = BatchGenerator(eng, None, max_queue=1)
+    try:
+        first = g.submit([1, 2, 3], max_new_tokens=4)
+        with pytest.raises(OverloadedError, match="max_queue=1"):
+            g.submit([4, 5, 6], max_new_tokens=4)
+        go.set()
+        assert first.result(30).tokens == reference(lm, [1, 2, 3], 4)[0]
+    finally:
+        go.set()
+        g.close()
+
+
+def test_a_model_error_fails_the_running_requests_and_the_engine_serves_the_next(gen, monkeypatch):
+    real = gen.engine.target.step
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    monkeypatch.setattr(gen.engine.target, "step", flaky)
+    with pytest.raises(SpecrtError, match="boom"):
+        gen.generate(PROMPTS[1], max_new_tokens=10)
+    c = gen.generate(PROMPTS[0], max_new_tokens=6, sampling=SamplingParams(temperature=0.5, seed=3))
+    assert c.tokens == reference(gen.lm, PROMPTS[0], 6, SamplingParams(temperature=0.5), 3)[0]
