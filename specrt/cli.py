@@ -32,20 +32,9 @@ def cmd_build(a) -> int:
     return 0
 
 
-def _no_draft_hint(engines: str) -> None:
-    """Engines built with --draft none can only decode plainly: say so in CLI terms."""
-    from specrt import manifest as mf
-    if mf.load(engines).draft is None:
-        raise ConfigError(f"{engines} was built without a draft model (--draft none): pass --plain for plain "
-                          "decoding or --lookup 2 for prompt lookup, or rebuild with a draft "
-                          "(`specrt build ... --draft int8`)")
-
-
 def cmd_generate(a) -> int:
     from specrt.runtime import SpeculativeGenerator
     method = "plain" if a.plain else "lookup" if a.lookup else "speculative"
-    if method == "speculative":
-        _no_draft_hint(a.engines)
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
                                methods=(method,))
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
@@ -95,8 +84,6 @@ def cmd_bench(a) -> int:
 
 def cmd_profile(a) -> int:
     from specrt.tools.op_profile import run_profile
-    if not a.plain:
-        _no_draft_hint(a.engines)
     run_profile(a.engines, a.out, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
                 method="plain" if a.plain else "speculative", threads=a.threads, top=a.top)
     return 0

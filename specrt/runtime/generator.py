@@ -64,7 +64,7 @@ class SpeculativeGenerator(TextStreaming):
         methods: which decoding methods to make ready (default: all the build supports);
         a service that only speculates passes ("speculative",) and never loads the
         target's one-token graph (one session, one packed copy of the weights less).
-        memory: "fast" or "shared", see ort_backend.
+        memory: "fast" or "shared", see runtime/backends/ort_cpu.py.
         verify: "full" (default) checks the sha256 of every file against the manifest while
         the sessions load (~0.6 s of one core for the default engines, mostly hidden);
         "none" checks only that the files exist and the weights have their size.
@@ -102,8 +102,10 @@ class SpeculativeGenerator(TextStreaming):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
         self.methods = tuple(Method(m) for m in methods)
         if any(m.needs_draft for m in self.methods) and man.draft is None:
-            raise SamplingParamsError("these engines have no draft model: pass methods=('plain',) or rebuild "
-                                      "with a draft (--draft int8)")
+            raise SamplingParamsError("these engines were built without a draft model (--draft none): pass "
+                                      "methods=('plain',) or ('plain', 'lookup') (`specrt generate --plain`, or "
+                                      "--lookup 2 for prompt lookup), or rebuild with a draft "
+                                      "(`specrt build ... --draft int8`)")
         if man.draft is not None and "speculative" in self.methods:
             _check_same_vocab(man)
         check = mf.HashCheck(man, self.root) if verify == "full" else None

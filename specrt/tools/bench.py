@@ -293,7 +293,7 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
 def _lookup_report(variants, reports, out) -> None:
     """Prompt lookup (no draft model) replayed on each folder's plain outputs, its speedup
     predicted from this run's decode and verify step costs (runtime.proposers)."""
-    from specrt.lookup_sim import predicted_lookup_speedup, simulate_lookup
+    from specrt.tools.lookup_sim import predicted_lookup_speedup, simulate_lookup
     out("prompt lookup, simulated on the plain outputs (predicted x over plain: tokens per round, rounds with a "
         "verified proposal, pair rounds):")
     for v, r in zip(variants, reports):

@@ -252,7 +252,7 @@ def test_a_call_can_override_the_instances_setting(planned, tiny_engines):
 
 
 def test_bench_runs_fixed_and_adaptive_k_side_by_side(planned):
-    from specrt.bench import run_bench
+    from specrt.tools.bench import run_bench
     lines = []
     report = run_bench(str(planned), prompts=2, max_new_tokens=12, out=lines.append)
     ad = report["variants"][0]["adaptive"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specrt.lookup_sim import LookupStats, predicted_lookup_speedup, simulate_lookup
+from specrt.tools.lookup_sim import LookupStats, predicted_lookup_speedup, simulate_lookup
 from specrt.runtime.proposers import lookup
 
 
@@ -36,7 +36,7 @@ def gen(tiny_self_engines):
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 40)), [1, 99]])
 def test_greedy_prompt_lookup_gives_plain_decodings_tokens(gen, prompt):
-    from specrt.bench import _run_lookup
+    from specrt.tools.bench import _run_lookup
     plain = [e.token for e in gen.tokens(prompt, max_new_tokens=40, method="plain")]
     toks, _, m = _run_lookup(gen, prompt, 40, 1)
     assert toks == plain[:len(toks)] and m.iterations <= len(toks)

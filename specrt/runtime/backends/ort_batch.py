@@ -67,7 +67,7 @@ class OrtBatchModel:
         self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
                              else 0 for g in names}
         # kernels whose one-row path rounds differently from their multi-row path (MatMulNBits with int8
-        # compute) must never see a one-row call: the manifest says so (calibration/rows.py)
+        # compute) must never see a one-row call: the manifest says so (build/gates/rows.py)
         self.min_rows = int(min_rows if min_rows is not None else entry.io.get("min_rows", 1))
         self.in_place = entry.in_place
         self.io = entry.io
