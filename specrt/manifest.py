@@ -9,14 +9,15 @@ Pure stdlib: every stage imports this module, the runtime included.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specrt import __version__
-from specrt.errors import GraphFileError, ManifestError
+from specrt.errors import ManifestError
+# the files a manifest names (confinement to the folder, existence, hashes): re-exported here
+from specrt.manifest_files import VERIFY_MODES, HashCheck, artifact_files, check_files, confine, sha256_file  # noqa: F401
 
 FORMAT = "specrt-manifest"
 SCHEMA_VERSION = 1
@@ -140,12 +141,16 @@ class Manifest:
 
 
 def load(directory: str | Path) -> Manifest:
-    """Read and structurally validate `directory/manifest.json` (or a path to the manifest itself)."""
+    """Read and validate `directory/manifest.json`: its structure, shapes, the files it names
+    (inside `directory`, see manifest_files.py) and the tokenizer's special ids."""
     directory = Path(directory)
     if directory.is_dir():
         path = directory / FILENAME
-    elif directory.name == FILENAME or not directory.exists():
-        path = directory if directory.name == FILENAME else directory / FILENAME
+    elif directory.name == FILENAME and directory.is_file():
+        raise ManifestError(f"{directory} is the manifest itself: give the engine folder that holds it, "
+                            f"{directory.parent}")
+    elif not directory.exists():
+        path = directory / FILENAME
     else:
         raise ManifestError(f"{directory} is a file, not an engine folder: give the folder written by "
                             f"`specrt build` (the one holding {FILENAME})")
@@ -196,6 +201,8 @@ def load(directory: str | Path) -> Manifest:
             raise ManifestError(f"{path}: the {role} model has no {', '.join(missing)} graph (it needs "
                                 f"{', '.join(need)}): the manifest is damaged or incomplete; rebuild the engines")
         _check_initializers(path, role, m)
+    _check_special_ids(path, man)
+    confine(man, path.parent, path)
     return man
 
 
@@ -241,8 +248,9 @@ def _check_structure(raw: dict) -> None:
         raise TypeError("tokenizer needs a string file and sha256")
     if tok.get("chat_template") is not None and not isinstance(tok["chat_template"], str):
         raise TypeError("tokenizer.chat_template must be a string or null")
-    if not all(isinstance(i, int) for i in tok.get("eos_token_ids", [])):
-        raise TypeError("tokenizer.eos_token_ids must be integers")
+    if not isinstance(tok.get("eos_token_ids", []), list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in tok.get("eos_token_ids", [])):
+        raise TypeError("tokenizer.eos_token_ids must be a list of integers")
     _check_engines(raw)
     props = raw.get("proposers")
     if props is not None:
@@ -288,6 +296,24 @@ def _check_engines(raw: dict) -> None:
         raise ValueError(f"the graphs {', '.join(missing)} have no engine file in a TensorRT build")
 
 
+def _check_special_ids(path: Path, man: Manifest) -> None:
+    """End-of-sequence ids are token ids of the target's vocabulary, and a chat model has one
+    (without it a reply runs on past the end of its turn until max tokens)."""
+    vocab, tok = int(man.target.dims["vocab"]), man.tokenizer
+    eos = tok.get("eos_token_ids", [])
+    bad = [i for i in eos if not 0 <= i < vocab]
+    if bad:
+        raise ManifestError(f"{path}: tokenizer.eos_token_ids has {bad}, outside the target's vocabulary [0, {vocab}) "
+                            "(damaged manifest): restore it or rebuild the engines")
+    if tok.get("chat_template") and not eos:
+        raise ManifestError(f"{path}: tokenizer.eos_token_ids is empty but the model has a chat template: chat "
+                            "replies would never stop at the end of a turn: restore the manifest or rebuild the engines")
+    bos = tok.get("bos_token_id")
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or not 0 <= bos < vocab):
+        raise ManifestError(f"{path}: tokenizer.bos_token_id={bos!r} is not a token id of the vocabulary [0, {vocab}): "
+                            "restore the manifest or rebuild the engines")
+
+
 def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
     """Each weights.bin entry [offset, length, dtype, shape] lies inside the file and its
     length matches dtype x shape (memory-mapped sharing reads exactly these bytes)."""
@@ -305,83 +331,6 @@ def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
         if not ok:
             raise ManifestError(f"{path}: {role} initializer {name!r} has an invalid entry {entry!r} for a "
                                 f"{size}-byte weights file (damaged manifest): rebuild the engines")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def artifact_files(man: Manifest) -> list[tuple[str, str]]:
-    """(relative path, sha256) of every file the manifest names."""
-    entries = [(m.weights["file"], m.weights["sha256"]) for m in man.models.values()]
-    entries += [(g.file, g.sha256) for m in man.models.values() for g in m.graphs.values()]
-    entries += [(g.engine["file"], g.engine["sha256"]) for m in man.models.values() for g in m.graphs.values()
-                if g.engine is not None]
-    entries.append((man.tokenizer["file"], man.tokenizer["sha256"]))
-    entries += [(e["file"], e["sha256"]) for e in (man.proposers or {}).values()]
-    return entries
-
-
-def check_files(man: Manifest, directory: Path, *, hashes: bool = False) -> None:
-    """Every file the manifest names exists (and, with hashes=True, matches its sha256)."""
-    sizes = {m.weights["file"]: m.weights["bytes"] for m in man.models.values()}
-    sizes.update({g.engine["file"]: g.engine["bytes"] for m in man.models.values() for g in m.graphs.values()
-                  if g.engine is not None})
-    sizes.update({e["file"]: e["bytes"] for e in (man.proposers or {}).values()})
-    for rel, digest in artifact_files(man):
-        p = Path(directory) / rel
-        if not p.is_file():
-            raise GraphFileError(f"{p} is named by the manifest but missing: rebuild the engines")
-        if rel in sizes and p.stat().st_size != sizes[rel]:
-            raise GraphFileError(f"{p} has {p.stat().st_size} bytes, the manifest says {sizes[rel]}: the file is "
-                                 "truncated or replaced; rebuild the engines")
-        if hashes and sha256_file(p) != digest:
-            raise GraphFileError(f"{p} does not match the sha256 in the manifest (corrupt or replaced): rebuild the engines")
-
-
-VERIFY_MODES = ("full", "none")
-
-
-class HashCheck:
-    """sha256 of every artifact, computed in a background thread.
-
-    Hashing the default engines' ~770 MB takes ~0.6 s on one core; hashlib releases the
-    GIL, so it runs while ONNX Runtime builds its sessions. `result()` waits and raises
-    GraphFileError naming the first file that does not match (zeroed blocks, a graph
-    copied over another of the same size, an edited tokenizer).
-    """
-
-    def __init__(self, man: Manifest, directory: Path):
-        import threading
-        self.directory = Path(directory)
-        self.bad: list[str] = []
-        self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, args=(artifact_files(man),), name="specrt-verify",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, entries) -> None:
-        for rel, digest in entries:
-            try:
-                if sha256_file(self.directory / rel) != digest:
-                    self.bad.append(rel)
-            except OSError as e:
-                self.error = f"{self.directory / rel} cannot be read ({e.strerror})"
-                return
-
-    def result(self) -> None:
-        self._thread.join()
-        if self.error:
-            raise GraphFileError(f"{self.error}: check the engine folder, or rebuild the engines")
-        if self.bad:
-            paths = ", ".join(str(self.directory / b) for b in self.bad)
-            raise GraphFileError(f"{paths} {'does' if len(self.bad) == 1 else 'do'} not match the sha256 in the "
-                                 "manifest (damaged or replaced): rebuild the engines (`specrt build`, or "
-                                 "`make engines` for the default ones)")
 
 
 def this_device() -> dict:
