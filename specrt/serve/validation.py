@@ -4,7 +4,9 @@ Everything that can be refused is refused here, before a worker is taken: fields
 specrt cannot honour, sampling ranges, the model name, and prompts that do not fit
 the engines' static context. The prompt is tokenized here with the validator's own
 tokenizer (never a worker's generator), exactly as `SpeculativeGenerator.encode_prompt`
-does, so the server and `specrt generate` see the same token ids.
+does, so the server and `specrt generate` see the same token ids. A text too long to
+fit is refused by its size before it is tokenized (see `max_prompt_bytes`): tokenizing
+megabytes only to refuse them would hold a core (and the GIL) for seconds.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from specrt.serve.errors import ModelNotFoundError, RequestError
 from specrt.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+# A tokenizer's normalizer may shrink text before it is split (NFC composes up to 3
+# characters into one); this margin keeps the size bound from refusing a prompt that fits.
+NORMALIZER_MARGIN = 4
 MAX_STOP_STRINGS = 4                    # OpenAI's limit
 
 # OpenAI fields specrt cannot honour: accepted only at their neutral value
@@ -39,9 +44,27 @@ class GenerationRequest:
     include_usage: bool
 
 
+def longest_token_bytes(tok: Tokenizer) -> int:
+    """The most UTF-8 bytes one token of `tok` stands for (special tokens included)."""
+    return max(len(tok.decode([i], skip_special_tokens=False).encode("utf-8")) for i in range(tok.vocab_size))
+
+
 class Validator:
     def __init__(self, tokenizer: Tokenizer, *, max_context: int, vocab: int, model_name: str):
         self.tok, self.max_context, self.vocab, self.model_name = tokenizer, max_context, vocab, model_name
+        # a text of more bytes has more than max_context tokens: each token covers at most
+        # `longest` bytes (+1: a decoder may drop a token's leading space when it stands alone)
+        self.longest = longest_token_bytes(tokenizer) + 1
+        self.max_prompt_bytes = NORMALIZER_MARGIN * self.longest * max_context
+
+    def _encode(self, text: str, param: str, **kw) -> list[int]:
+        n = len(text.encode("utf-8"))
+        if n > self.max_prompt_bytes:
+            raise RequestError(f"the prompt is {n} bytes of text, more than the {self.max_prompt_bytes} that the "
+                               f"engines' max_context={self.max_context} tokens can hold with this tokenizer (no "
+                               f"token stands for more than {self.longest} bytes): shorten the prompt",
+                               param=param, code="context_length_exceeded")
+        return self.tok.encode(text, **kw)
 
     def completion(self, req: CompletionRequest) -> GenerationRequest:
         self._common(req)
@@ -52,7 +75,7 @@ class Validator:
                                    "request: send them as separate (concurrent) requests", param="prompt")
             p = p[0]
         if isinstance(p, str):
-            ids = self.tok.encode(p)
+            ids = self._encode(p, "prompt")
         else:
             ids = list(p)
             if ids and (min(ids) < 0 or max(ids) >= self.vocab):
@@ -70,9 +93,10 @@ class Validator:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         try:
-            ids = self.tok.encode(self.tok.apply_chat_template(messages), add_special_tokens=False)
+            text = self.tok.apply_chat_template(messages)
         except SpecrtError as e:
             raise RequestError(str(e), param="messages") from None
+        ids = self._encode(text, "messages", add_special_tokens=False)
         return self._finish(req, ids, req.max_completion_tokens or req.max_tokens, None, "chat")
 
     # -----------------------------------------------------------------------------------
