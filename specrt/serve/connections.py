@@ -4,7 +4,8 @@ uvicorn's h11 protocol waits for a request's headers as long as the client likes
 keep-alive timer runs only between requests, and stops at the first byte): a client
 that trickles a byte now and then holds a connection forever (slowloris). Here each
 request must arrive whole, headers and body, within `read_timeout` seconds of the
-connection opening or of the previous response; otherwise the connection is closed.
+connection opening (the first request) or of its own first byte (later ones; between
+requests uvicorn's keep-alive timeout applies); otherwise the connection is closed.
 """
 from __future__ import annotations
 
@@ -31,10 +32,7 @@ class _TimedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state not in _RECEIVING:     # the whole request is in (or the connection ends)
             self._disarm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()                   # may already read a pipelined request
-        if not self.transport.is_closing() and self.conn.their_state in _RECEIVING:
+        elif self._read_timer is None:                  # a later request began: its clock starts now
             self._arm()
 
     def connection_lost(self, exc) -> None:
