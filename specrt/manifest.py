@@ -36,6 +36,7 @@ IO_NAMES = {
     "present_value": "present_v_%d",
 }
 KV_UPDATES = ("returned", "in_place")   # ModelEntry.kv["update"]
+PER_LAYER_IO = tuple(k for k, v in IO_NAMES.items() if "%d" in v)
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,10 @@ def _check_structure(raw: dict) -> None:
             raise TypeError(f"models.{role}.weights needs file, bytes, sha256 and initializers")
         if m["kv"].get("update", "returned") not in KV_UPDATES:
             raise ValueError(f"models.{role}.kv.update={m['kv'].get('update')!r}; expected one of {KV_UPDATES}")
+        if m["kv"].get("shares_cache_with") not in ((None, "target") if role == "draft" else (None,)):
+            raise ValueError(f"models.{role}.kv.shares_cache_with={m['kv'].get('shares_cache_with')!r}; a draft may "
+                             "share the target's cache (\"target\") or have its own (null)")
+        _check_io(f"models.{role}.io", m.get("io", IO_NAMES))
     tok = raw["tokenizer"]
     if not (isinstance(tok.get("file"), str) and isinstance(tok.get("sha256"), str)):
         raise TypeError("tokenizer needs a string file and sha256")
@@ -258,6 +263,22 @@ def _check_structure(raw: dict) -> None:
             raise TypeError("proposers must be an object")
         for name, e in props.items():
             _check_engine_file(f"proposers.{name}", e)
+
+
+def _check_io(where: str, io) -> None:
+    """Tensor names: strings; the per-layer ones a template with one %d, the others none."""
+    if not isinstance(io, dict):
+        raise TypeError(f"{where} must be an object of tensor names")
+    for key, name in io.items():
+        if key == "dtypes":
+            if not (isinstance(name, dict) and all(isinstance(v, str) for v in name.values())):
+                raise TypeError(f"{where}.dtypes must be an object of dtype names")
+            continue
+        per_layer = key in PER_LAYER_IO
+        if not (isinstance(name, str) and name and name.count("%") == (1 if per_layer else 0)
+                and (not per_layer or "%d" in name)):
+            raise ValueError(f"{where}.{key}={name!r} is not a tensor name"
+                             + (" template with one %d for the layer" if per_layer else " (no %)"))
 
 
 def _check_engine_file(where: str, e) -> None:

@@ -163,18 +163,19 @@ def test_an_out_that_is_a_symbolic_link_is_refused_before_any_work_leaving_nothi
     assert link.is_symlink() and (real / "manifest.json").is_file()
 
 
-def test_a_failed_final_move_keeps_the_previous_build_and_the_partial_folder_is_discarded(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", ["the new build into place", "the previous build aside"])
+def test_a_failed_final_move_keeps_the_previous_build_and_the_partial_folder_is_discarded(tmp_path, monkeypatch,
+                                                                                          failing):
     out = tmp_path / "eng"
     out.mkdir()
     (out / "manifest.json").write_text("previous")
     tmp = outdir.make_partial(out)
     (tmp / "manifest.json").write_text("new")
-    real_replace, calls = outdir.os.replace, []
+    real_replace = outdir.os.replace
 
     def replace(src, dst):
-        calls.append(src)
-        if Path(src) == tmp:
-            raise OSError(18, "Invalid cross-device link")
+        if Path(src) == (tmp if failing == "the new build into place" else out):
+            raise OSError(21, "Is a directory")
         return real_replace(src, dst)
     monkeypatch.setattr(outdir.os, "replace", replace)
     with pytest.raises(BuildOutputError, match="previous contents are unchanged"):

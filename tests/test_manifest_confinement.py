@@ -47,16 +47,21 @@ def _outside_copy(eng: Path, rel: str) -> Path:
     ("models.target.graphs.prefill.file", "../../../../../../../../{tmp}/outside_prefill.onnx", "copy"),
     ("models.target.weights.file", "target/../../outside_weights.bin", "copy"),
     ("tokenizer.file", "../../../../../../../../etc/passwd", "passwd"),
+    ("tokenizer.file", "target/../tokenizer.json", None),
+    ("tokenizer.file", "ABS-INSIDE", None),
     ("tokenizer.file", "C:\\Windows\\win.ini", None),
     ("tokenizer.file", "", None),
     ("tokenizer.file", "tok\x00enizer.json", None),
-], ids=["dotdot", "absolute", "deep-dotdot", "dotdot-after-a-folder", "etc-passwd", "windows-drive", "empty", "nul"])
+], ids=["dotdot", "absolute", "deep-dotdot", "dotdot-after-a-folder", "etc-passwd", "dotdot-staying-inside",
+        "absolute-inside", "windows-drive", "empty", "nul"])
 def test_a_manifest_path_that_leaves_the_folder_is_refused_naming_the_field(eng, field, rel, make):
     source = {"tokenizer.file": "tokenizer.json", "models.target.graphs.prefill.file": "target/prefill.onnx",
               "models.target.weights.file": "target/weights.bin"}[field]
     if make == "copy":
         outside = _outside_copy(eng, source)
         rel = str(outside) if rel == "ABS" else rel.replace("{tmp}", str(eng.parent).lstrip("/"))
+    if rel == "ABS-INSIDE":        # even a file of the folder is named relatively
+        rel = str((eng / source).resolve())
     digest = _sha(Path("/etc/passwd")) if make == "passwd" else None
 
     def edit(raw):
