@@ -31,6 +31,7 @@ from hypothesis import seed as fixed_seed
 from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
+ROOT = Path(__file__).resolve().parents[1]     # the server runs this checkout's specrt
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 # --- what to send ---------------------------------------------------------------------
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(a.engines), "--port", "0",
-                             "--queue-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--queue-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         url = re.search(r"on (http://\S+)/v1", proc.stdout.readline()).group(1)
         tally, findings = Counter(), []

@@ -185,8 +185,8 @@ def load(directory: str | Path) -> Manifest:
     sh = man.shapes
     for name in ("batch", "max_context", "prefill_chunk", "k"):
         v = getattr(sh, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ManifestError(f"{path}: shapes.{name}={v!r} is not a positive integer; rebuild the engines")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:
+            raise ManifestError(f"{path}: shapes.{name}={v!r} is not an integer in [1, {MAX_SHAPE}]; rebuild the engines")
     window = sh.windows
     for role, m in man.models.items():
         for g, e in m.graphs.items():
@@ -207,6 +207,7 @@ def load(directory: str | Path) -> Manifest:
     return man
 
 
+MAX_SHAPE = 1 << 24      # no static shape (tokens, rows) is larger: beyond it a damaged manifest, not a model
 DECODE_PAIR_ROWS = 2    # the widest decode graph a target may have (T=2: plain steps pad one row)
 
 # graphs each model needs: the target always has all three (plain and speculative use
@@ -223,6 +224,12 @@ def _check_structure(raw: dict) -> None:
     for name in _DICT_FIELDS:
         if not isinstance(raw.get(name), dict):
             raise TypeError(f"{name} must be an object, got {type(raw.get(name)).__name__}")
+    for name in ("build", "quality"):    # optional objects
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            raise TypeError(f"{name} must be an object, got {type(raw[name]).__name__}")
+    bad = [k for k in ("kind", "backend", "machine", "os") if not isinstance(raw["device"].get(k, ""), str)]
+    if bad:
+        raise TypeError(f"device.{bad[0]} must be a string")
     for role, m in raw["models"].items():
         if role not in ("target", "draft") or not isinstance(m, dict):
             raise TypeError(f"models.{role} must be an object named target or draft")
@@ -230,14 +237,14 @@ def _check_structure(raw: dict) -> None:
             if not isinstance(m.get(name), dict):
                 raise TypeError(f"models.{role}.{name} must be an object, got {type(m.get(name)).__name__}")
         for g, e in m["graphs"].items():
-            if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not isinstance(e.get("tokens"), int):
-                raise TypeError(f"models.{role}.graphs.{g} must have a string file and an integer tokens")
+            if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not _count(e.get("tokens")):
+                raise TypeError(f"models.{role}.graphs.{g} must have a string file and a positive integer tokens")
             if e.get("engine") is not None:
                 _check_engine_file(f"models.{role}.graphs.{g}.engine", e["engine"])
         for key in ("layers", "kv_heads", "head_dim", "vocab"):
             v = m["dims"].get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"models.{role}.dims.{key}={v!r} is not a positive integer")
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:
+                raise ValueError(f"models.{role}.dims.{key}={v!r} is not an integer in [1, {MAX_SHAPE}]")
         w = m["weights"]
         if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
                 and isinstance(w.get("initializers"), dict)):
@@ -247,7 +254,7 @@ def _check_structure(raw: dict) -> None:
         if m["kv"].get("shares_cache_with") not in ((None, "target") if role == "draft" else (None,)):
             raise ValueError(f"models.{role}.kv.shares_cache_with={m['kv'].get('shares_cache_with')!r}; a draft may "
                              "share the target's cache (\"target\") or have its own (null)")
-        _check_io(f"models.{role}.io", m.get("io", IO_NAMES))
+        _check_io(f"models.{role}.io", m.get("io", IO_NAMES), m["kv"].get("update", "returned"))
     tok = raw["tokenizer"]
     if not (isinstance(tok.get("file"), str) and isinstance(tok.get("sha256"), str)):
         raise TypeError("tokenizer needs a string file and sha256")
@@ -265,10 +272,20 @@ def _check_structure(raw: dict) -> None:
             _check_engine_file(f"proposers.{name}", e)
 
 
-def _check_io(where: str, io) -> None:
-    """Tensor names: strings; the per-layer ones a template with one %d, the others none."""
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SHAPE
+
+
+def _check_io(where: str, io, update: str) -> None:
+    """Tensor names: strings; the per-layer ones a template with one %d, the others none;
+    every name the graphs' cache update binds is there."""
     if not isinstance(io, dict):
         raise TypeError(f"{where} must be an object of tensor names")
+    need = ("input_ids", "past_len", "past_key", "past_value", "logits") + \
+        (("present_key", "present_value") if update == "in_place" else ("new_key", "new_value"))
+    missing = [k for k in need if k not in io]
+    if missing:
+        raise ValueError(f"{where} has no {', '.join(missing)} (tensor names the graphs are bound by)")
     for key, name in io.items():
         if key == "dtypes":
             if not (isinstance(name, dict) and all(isinstance(v, str) for v in name.values())):
@@ -343,9 +360,10 @@ def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
     for name, entry in m.weights["initializers"].items():
         try:
             offset, length, dtype, shape = entry
-            itemsize = np.dtype(dtype).itemsize
-            ok = (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and offset + length <= size
-                  and all(isinstance(d, int) and d >= 0 for d in shape)
+            itemsize = np.dtype(dtype).itemsize if np.dtype(dtype).kind in "fiu" else -1   # numbers only
+            ints = [offset, length, *shape]
+            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints) and 0 <= offset
+                  and offset + length <= size and all(d >= 0 for d in shape)
                   and int(np.prod(shape, dtype=np.int64)) * itemsize == length)
         except (TypeError, ValueError):
             ok = False

@@ -27,9 +27,9 @@ def test_the_mutants_cover_every_field_by_type_and_value(tiny_self_engines):
 
 
 def test_the_classifier_calls_an_untyped_exception_and_changed_tokens_findings(tiny_self_engines, monkeypatch):
-    monkeypatch.setattr(fuzz, "run", lambda engines: (_ for _ in ()).throw(KeyError("x")))
+    monkeypatch.setattr(fuzz, "run", lambda engines, **kw: (_ for _ in ()).throw(KeyError("x")))
     assert fuzz.classify(tiny_self_engines, [1])[0] == "UNTYPED"
-    monkeypatch.setattr(fuzz, "run", lambda engines: [2])
+    monkeypatch.setattr(fuzz, "run", lambda engines, **kw: {"fast": [1], "shared": [2]})
     assert fuzz.classify(tiny_self_engines, [1])[0] == "CHANGED"
-    monkeypatch.setattr(fuzz, "run", lambda engines: [1])
+    monkeypatch.setattr(fuzz, "run", lambda engines, **kw: {"fast": [1], "shared": [1]})
     assert fuzz.classify(tiny_self_engines, [1])[0] == "same"
