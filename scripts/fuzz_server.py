@@ -9,8 +9,9 @@ type, unknown fields, lone surrogates, NaN/Infinity, huge integers, nested junk,
 bytes that are not JSON or not UTF-8; streamed and not. With schemathesis installed (the
 `fuzz` extra) it then runs schemathesis's positive and negative cases from the OpenAPI
 document the server serves (/openapi.json). Each answer must be a 2xx with a complete
-body (a stream ends with `data: [DONE]`) or a 4xx with an OpenAI-style error body; a
-5xx or a broken answer is a finding. Reports cases, statuses and the server's RSS before
+body (a stream ends with `data: [DONE]`), a 4xx with an OpenAI-style error body, or the
+server's own 504 for a generation past its --timeout (30 s here); any other 5xx, a
+dropped connection or a broken answer is a finding. Reports cases, statuses and the server's RSS before
 and after; stops the server with SIGTERM (it must exit 0). Exit status 1 on any finding.
 """
 from __future__ import annotations
@@ -79,9 +80,17 @@ raw_bodies = st.one_of(st.binary(max_size=64), st.just(b'{"prompt": "\xff\xfe"}'
 
 
 # --- what must come back --------------------------------------------------------------
+TIMEOUT_S = 30     # the server's --timeout: a long valid generation ends in its 504, not a stall
+
+
+def _timed_out(status: int, text: str) -> bool:
+    """The server's own answer to a request past --timeout (504, error type "timeout")."""
+    return status == 504 and '"type":"timeout"' in text.replace(" ", "")
+
+
 def check(r: httpx.Response) -> str | None:
     """None when the answer is well-formed; else what is wrong with it."""
-    if r.status_code >= 500:
+    if r.status_code >= 500 and not _timed_out(r.status_code, r.text):
         return f"status {r.status_code}: {r.text[:200]}"
     ctype = r.headers.get("content-type", "")
     if r.status_code >= 400:
@@ -138,10 +147,14 @@ def schemathesis_pass(url: str, cases: int, tally: Counter, findings: list) -> s
             @given(case=op.as_strategy(generation_mode=mode))
             def one(case):
                 nonlocal ran
-                r = case.call(base_url=url)
                 ran += 1
+                try:
+                    r = case.call(base_url=url, timeout=TIMEOUT_S + 60)
+                except Exception as e:  # noqa: BLE001 - a dropped connection is a finding, not a crash
+                    findings.append({"kind": "schemathesis", "body": repr(case.body)[:300], "problem": repr(e)[:200]})
+                    return
                 tally[(f"schemathesis {op.label} {mode.value}", r.status_code)] += 1
-                if r.status_code >= 500:
+                if r.status_code >= 500 and not _timed_out(r.status_code, r.text):
                     findings.append({"kind": "schemathesis", "body": repr(case.body)[:300],
                                      "problem": f"status {r.status_code}: {r.text[:200]}"})
             try:
@@ -159,11 +172,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(a.engines), "--port", "0",
-                             "--queue-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                             "--queue-size", "2", "--timeout", str(TIMEOUT_S)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         url = re.search(r"on (http://\S+)/v1", proc.stdout.readline()).group(1)
         tally, findings = Counter(), []
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S + 60) as client:
             rss0 = client.get("/health").json()["rss_mib"]
             t0 = time.perf_counter()
             hypothesis_pass(client, a.cases, a.seed, tally, findings)

@@ -1,13 +1,17 @@
 """Where `specrt build` writes: checked before any long work, replaced atomically, and
 nothing deleted that the build did not create.
 
-    preflight(out)    refuse a file, the working folder or its ancestors, a mount point, a
-                      folder holding anything but a previous specrt build (unless --force)
+    preflight(out)    refuse a symbolic link, a file, the working folder or its ancestors, a
+                      mount point, a folder holding anything (at any depth) but a previous
+                      specrt build (unless --force)
     make_partial(out) a fresh hidden sibling `.NAME.partial-XXXX` with a marker file: the
                       build writes there; a unique name never collides with the user's folders
     commit(tmp, out)  swap it into place (the previous build moves to a unique
                       `.NAME.old-XXXX` and is deleted only after the swap succeeded)
+    discard(tmp)      remove the partial folder (a failed or interrupted build)
+    disk_full(...)    the error for a build that filled its disk: sizes, and what it needs
 
+Ctrl-C and SIGTERM (a `timeout`, a service manager) unwind the build, so `discard` runs.
 A build killed outright (SIGKILL, power loss) leaves its marked `.NAME.partial-XXXX`
 folder behind; the next build of the same NAME removes it, since the marker says
 specrt made it and its process is gone.

@@ -157,3 +157,34 @@ def test_confinement_needs_no_hash_check_to_refuse(eng):
     outside = _outside_copy(eng, "tokenizer.json")
     edit_manifest(eng, lambda raw: raw["tokenizer"].update(file=os.path.relpath(outside, eng)))
     assert "tokenizer.file" in expect(ManifestError, SpeculativeGenerator, eng, verify="none")
+
+
+def test_a_shared_weights_entry_shifted_within_the_file_is_refused_not_run_on_other_weights(eng):
+    def shift(raw):
+        entry = raw["models"]["target"]["weights"]["initializers"]["layers.0.qkv"]
+        entry[0] += 4      # the same shape and length, 4 bytes further: inside the file, other numbers
+    edit_manifest(eng, shift)
+    msg = expect(ManifestError, SpeculativeGenerator, eng, memory="shared")
+    assert "layers.0.qkv" in msg and "at bytes" in msg
+
+
+# the manifest fuzz's untyped exceptions (scripts/fuzz_manifest.py), each now a ManifestError at load
+FUZZ_FINDINGS = {
+    "io-empty": lambda raw: raw["models"]["target"].update(io={}),
+    "io-no-logits": lambda raw: raw["models"]["draft"]["io"].pop("logits"),
+    "io-template": lambda raw: raw["models"]["target"]["io"].update(present_key=""),
+    "io-list": lambda raw: raw["models"]["target"].update(io=[]),
+    "tokens-bool": lambda raw: raw["models"]["target"]["graphs"]["decode"].update(tokens=True),
+    "shares-cache": lambda raw: raw["models"]["draft"]["kv"].update(shares_cache_with="a\x00b"),
+    "device-list": lambda raw: raw["device"].update(kind=[]),
+    "build-string": lambda raw: raw.update(build="x"),
+    "huge-context": lambda raw: raw["shapes"].update(max_context=2**63),
+    "offset-bool": lambda raw: raw["models"]["target"]["weights"]["initializers"]["lm_head"].__setitem__(0, True),
+    "object-dtype": lambda raw: raw["models"]["target"]["weights"]["initializers"]["lm_head"].__setitem__(2, "O"),
+}
+
+
+@pytest.mark.parametrize("edit", FUZZ_FINDINGS.values(), ids=FUZZ_FINDINGS.keys())
+def test_what_the_manifest_fuzz_found_is_a_typed_error_at_load(eng, edit):
+    edit_manifest(eng, edit)
+    expect(ManifestError, SpeculativeGenerator, eng)
