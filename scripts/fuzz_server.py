@@ -4,9 +4,10 @@
 
 Starts `specrt serve ENGINES --port 0` (127.0.0.1), then sends N bodies to each of
 /v1/completions and /v1/chat/completions drawn by hypothesis from `completion_bodies()`
-/ `chat_bodies()`: every known field with values of its type and of every other JSON
-type, unknown fields, lone surrogates, NaN/Infinity, huge integers, nested junk, some raw
-bytes that are not JSON or not UTF-8; streamed and not. With schemathesis installed (the
+/ `chat_bodies()`: valid requests (short generations, streamed or not), the same with one
+field replaced by any JSON value, and bodies of anything: every known field with values of
+its type and of every other JSON type, unknown fields, lone surrogates, NaN/Infinity, huge
+integers, nested junk; and N raw bodies that are not JSON or not UTF-8. With schemathesis installed (the
 `fuzz` extra) it then runs schemathesis's positive and negative cases from the OpenAPI
 document the server serves (/openapi.json). Each answer must be a 2xx with a complete
 body (a stream ends with `data: [DONE]`), a 4xx with an OpenAI-style error body, or the
@@ -65,14 +66,42 @@ _MESSAGE = st.fixed_dictionaries(
     optional={"content": _or_junk(text | st.none() | st.lists(_PART, max_size=3)), "name": junk})
 
 
+# valid requests (short generations), then the same with one field replaced by anything
+clean = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=24)
+_VALID = {"temperature": st.sampled_from([0.0, 1e-300, 5e-324, 0.7, 2.0]) | st.floats(0.0, 2.0),
+          "top_p": st.floats(0.05, 1.0), "seed": st.integers(0, 2**64), "stop": clean | st.lists(clean, max_size=4),
+          "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+
+
+def _with_one_broken(valid):
+    fields = sorted(set(_SAMPLING) | {"prompt", "messages", "max_tokens"})
+    return st.tuples(valid, st.sampled_from(fields), junk).map(lambda t: {**t[0], t[1]: t[2]})
+
+
+def _valid_completion():
+    prompt = clean | st.lists(st.integers(0, 49151), min_size=1, max_size=12)
+    return st.fixed_dictionaries({"prompt": prompt, "max_tokens": st.integers(1, 8)}, optional=_VALID)
+
+
+def _valid_chat():
+    message = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+                                     "content": clean | st.lists(st.fixed_dictionaries(
+                                         {"type": st.just("text"), "text": clean}), min_size=1, max_size=2)})
+    return st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3),
+                                  "max_tokens": st.integers(1, 8)}, optional=_VALID)
+
+
 def completion_bodies():
     prompt = _or_junk(text | st.lists(st.integers(-2, 50000), max_size=12) | st.lists(text, max_size=2))
-    return st.fixed_dictionaries({}, optional={"prompt": prompt, **_SAMPLING})
+    anything = st.fixed_dictionaries({}, optional={"prompt": prompt, **_SAMPLING})
+    return st.one_of(_valid_completion(), _with_one_broken(_valid_completion()), anything)
 
 
 def chat_bodies():
-    return st.fixed_dictionaries({}, optional={"messages": _or_junk(st.lists(_MESSAGE, max_size=3)),
-                                               "max_completion_tokens": _or_junk(st.integers(-1, 24)), **_SAMPLING})
+    anything = st.fixed_dictionaries({}, optional={"messages": _or_junk(st.lists(_MESSAGE, max_size=3)),
+                                                   "max_completion_tokens": _or_junk(st.integers(-1, 24)),
+                                                   **_SAMPLING})
+    return st.one_of(_valid_chat(), _with_one_broken(_valid_chat()), anything)
 
 
 raw_bodies = st.one_of(st.binary(max_size=64), st.just(b'{"prompt": "\xff\xfe"}'), st.just(b"[1, 2"),
