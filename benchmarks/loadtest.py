@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/loadtest.py artifacts/smollm2 --requests 200 --concurrency 8 --workers 2
     .venv/bin/python benchmarks/loadtest.py --url http://127.0.0.1:8000     # a server already running
+    SPECRT_API_KEY=k .venv/bin/python benchmarks/loadtest.py artifacts/smollm2 --api-key   # with a key
 
 Without --url it starts `specrt serve ENGINES --port 0` itself, runs the load, and stops
 the server with SIGTERM (reporting its exit code). Every request streams (TTFT and ITL are
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -96,10 +99,10 @@ async def one(client: httpx.AsyncClient, url: str, model: str, spec: dict, timeo
 
 
 async def run_load(url: str, model: str, specs: list[dict], concurrency: int, timeout: float,
-                   deadline: float) -> tuple[list[Result], float]:
+                   deadline: float, headers: dict) -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with httpx.AsyncClient(limits=limits, headers=headers) as client:
         async def guarded(spec):
             async with sem:
                 return await one(client, url, model, spec, timeout)
@@ -153,13 +156,13 @@ def report(results: list[Result], wall: float, n_planned: int) -> dict:
             "requests_per_s": round(len(results) / wall, 2) if wall else 0.0}
 
 
-def overhead(url: str, model: str, engines: str, rounds: int, max_tokens: int) -> dict:
+def overhead(url: str, model: str, engines: str, rounds: int, max_tokens: int, headers: dict) -> dict:
     """Same chat prompt, same tokens: one non-streaming server request vs the bare runtime, interleaved."""
     from specrt.runtime import SpeculativeGenerator
     gen = SpeculativeGenerator(engines, methods=("speculative",))
     prompt = PROMPTS[0]
     server_s, bare_s, worker_s = [], [], []
-    with httpx.Client(timeout=300) as c:
+    with httpx.Client(timeout=300, headers=headers) as c:
         for i in range(rounds + 1):         # round 0 warms both up and is not counted
             t0 = time.perf_counter()
             got = c.post(url + "/v1/chat/completions", json={
@@ -196,8 +199,13 @@ def main() -> int:
     ap.add_argument("--overhead", type=int, default=0, metavar="N", help="then N rounds of server vs bare runtime")
     ap.add_argument("--overhead-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", action="store_true",
+                    help="with a key: the server started here requires SPECRT_API_KEY (a random one if unset), every "
+                         "request sends it, and a request without it must get 401")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
+    key = (os.environ.get("SPECRT_API_KEY") or secrets.token_urlsafe(24)) if a.api_key else None
+    headers = {"authorization": f"Bearer {key}"} if key else {}
 
     proc, pid = None, None
     if a.url:
@@ -210,7 +218,8 @@ def main() -> int:
             ap.error("give ENGINES (to start a server) or --url")
         cmd = [sys.executable, "-m", "specrt.cli", "serve", a.engines, "--port", "0", "--workers", str(a.workers),
                "--queue-size", str(a.queue_size), "--memory", a.memory, "--timeout", str(a.timeout)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        env = dict(os.environ, **({"SPECRT_API_KEY": key} if key else {}))   # never on the command line
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = proc.stdout.readline()
         m = re.search(r"on (http://\S+)/v1", line)
         if not m:
@@ -220,6 +229,11 @@ def main() -> int:
         url, pid = m.group(1), proc.pid
         print(line.strip())
     try:
+        if key:
+            denied = httpx.get(url + "/v1/models", timeout=30).status_code
+            print(f"API key: required (a request without it got HTTP {denied})")
+            if denied != 401:
+                raise SystemExit("loadtest: the server answered a request without the key")
         health = httpx.get(url + "/health", timeout=30).json()
         model = health["model"]
         print(f"server before: RSS {health['rss_mib']:.0f} MiB{proc_rss(pid)}, workers "
@@ -227,11 +241,11 @@ def main() -> int:
         specs = plan(a.requests, [int(x) for x in a.lengths.split(",")], a.disconnect, a.chat_share, a.seed)
         print(f"load: {a.requests} streamed requests, concurrency {a.concurrency}, max_tokens in {{{a.lengths}}}, "
               f"{sum(s['leave_after'] is not None for s in specs)} leave early, deadline {a.deadline:g} s")
-        results, wall = asyncio.run(run_load(url, model, specs, a.concurrency, a.timeout, a.deadline))
+        results, wall = asyncio.run(run_load(url, model, specs, a.concurrency, a.timeout, a.deadline, headers))
         rep = report(results, wall, a.requests)
         after = httpx.get(url + "/health", timeout=30).json()
         rep["rss_before_mib"], rep["rss_after_mib"] = health["rss_mib"], after["rss_mib"]
-        metrics = httpx.get(url + "/metrics", timeout=30).text
+        metrics = httpx.get(url + "/metrics", timeout=30, headers=headers).text
         acc = re.search(r"^specrt_spec_decode_acceptance_rate\{[^}]*\} (\S+)", metrics, re.M)
         rep["server_acceptance_rate"] = round(float(acc.group(1)), 4) if acc else None
         rep["server_outcomes"] = {f"{e}:{o}": int(float(v)) for e, o, v in re.findall(
@@ -247,7 +261,7 @@ def main() -> int:
         if a.overhead:
             if not a.engines:
                 ap.error("--overhead needs ENGINES (the bare runtime loads them)")
-            rep["overhead"] = o = overhead(url, model, a.engines, a.overhead, a.overhead_tokens)
+            rep["overhead"] = o = overhead(url, model, a.engines, a.overhead, a.overhead_tokens, headers)
             print(f"overhead ({o['rounds']} rounds, {o['tokens']} tokens, greedy, same prompt): server "
                   f"{o['server_ms']} ms vs bare runtime {o['bare_runtime_ms']} ms -> +{o['server_minus_bare_ms']} ms; "
                   f"server minus its own generation time {o['server_minus_its_own_generation_ms']} ms")

@@ -120,13 +120,18 @@ def cmd_serve(a) -> int:
                           "pip install 'specrt[serve]'") from None
     return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, queue_size=a.queue_size,
                              timeout=a.timeout, memory=a.memory, threads=a.threads, model_name=a.model_name,
-                             log_level="info" if a.verbose else "warning"))
+                             log_level="info" if a.verbose else "warning",
+                             api_key=a.api_key if a.api_key is not None else os.environ.get("SPECRT_API_KEY"),
+                             allowed_hosts=tuple(h.strip() for h in a.allowed_hosts.split(",") if h.strip()),
+                             cors_origins=tuple(a.cors_origin), max_body_bytes=a.max_body_bytes,
+                             read_timeout=a.read_timeout, keep_alive=a.keep_alive,
+                             max_connections=a.max_connections))
 
 
 def cmd_triton_repo(a) -> int:
     from specrt.serve.triton import write_triton_repo
     model_dir = write_triton_repo(a.engines, a.out, model_name=a.model_name, instances=a.instances,
-                                  memory=a.memory, copy_engines=a.copy_engines)
+                                  memory=a.memory, copy_engines=a.copy_engines, force=a.force)
     print(f"wrote {model_dir} (serve it with: tritonserver --model-repository {a.out})")
     return 0
 
@@ -268,6 +273,20 @@ def main(argv=None) -> int:
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
     sv.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (one pool for the process)")
     sv.add_argument("--model-name", help="the model id clients send (default: the engine folder's name)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                    "the SPECRT_API_KEY environment variable, which other users cannot read in the process list)")
+    sv.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                    help="Host header names to accept besides the bound address and localhost names, comma-separated "
+                         "('*.example.com' matches subdomains, '*' any host): others get 400 (DNS rebinding)")
+    sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="a browser origin allowed to call the API, e.g. http://localhost:3000 (repeatable; '*' any); "
+                         "default: no CORS headers, so browsers refuse cross-origin calls")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
+    sv.add_argument("--read-timeout", type=float, default=15.0,
+                    help="seconds a client has to send a whole request, headers and body (default 15)")
+    sv.add_argument("--keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
+    sv.add_argument("--max-connections", type=int, default=64,
+                    help="connections and requests at once; more get 503 (default 64)")
     sv.set_defaults(fn=cmd_serve)
 
     tr = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend)")
@@ -278,6 +297,9 @@ def main(argv=None) -> int:
     tr.add_argument("--memory", choices=("fast", "shared"), default="fast")
     tr.add_argument("--copy-engines", action="store_true",
                     help="copy the engines into the repository (default: refer to their absolute path)")
+    tr.add_argument("--force", action="store_true",
+                    help="overwrite a model folder that triton-repo did not write (its config.pbtxt, 1/model.py "
+                         "and, with --copy-engines, its engines/ folder)")
     tr.set_defaults(fn=cmd_triton_repo)
 
     qd = sub.add_parser("qdq", help="an engine folder whose target is a calibrated static INT8 Q/DQ copy (TensorRT's "

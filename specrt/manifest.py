@@ -9,14 +9,15 @@ Pure stdlib: every stage imports this module, the runtime included.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specrt import __version__
-from specrt.errors import GraphFileError, ManifestError
+from specrt.errors import ManifestError
+# the files a manifest names (confinement to the folder, existence, hashes): re-exported here
+from specrt.manifest_files import VERIFY_MODES, HashCheck, artifact_files, check_files, confine, sha256_file  # noqa: F401
 
 FORMAT = "specrt-manifest"
 SCHEMA_VERSION = 1
@@ -35,6 +36,7 @@ IO_NAMES = {
     "present_value": "present_v_%d",
 }
 KV_UPDATES = ("returned", "in_place")   # ModelEntry.kv["update"]
+PER_LAYER_IO = tuple(k for k, v in IO_NAMES.items() if "%d" in v)
 
 
 @dataclass(frozen=True)
@@ -140,12 +142,16 @@ class Manifest:
 
 
 def load(directory: str | Path) -> Manifest:
-    """Read and structurally validate `directory/manifest.json` (or a path to the manifest itself)."""
+    """Read and validate `directory/manifest.json`: its structure, shapes, the files it names
+    (inside `directory`, see manifest_files.py) and the tokenizer's special ids."""
     directory = Path(directory)
     if directory.is_dir():
         path = directory / FILENAME
-    elif directory.name == FILENAME or not directory.exists():
-        path = directory if directory.name == FILENAME else directory / FILENAME
+    elif directory.name == FILENAME and directory.is_file():
+        raise ManifestError(f"{directory} is the manifest itself: give the engine folder that holds it, "
+                            f"{directory.parent}")
+    elif not directory.exists():
+        path = directory / FILENAME
     else:
         raise ManifestError(f"{directory} is a file, not an engine folder: give the folder written by "
                             f"`specrt build` (the one holding {FILENAME})")
@@ -179,8 +185,8 @@ def load(directory: str | Path) -> Manifest:
     sh = man.shapes
     for name in ("batch", "max_context", "prefill_chunk", "k"):
         v = getattr(sh, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ManifestError(f"{path}: shapes.{name}={v!r} is not a positive integer; rebuild the engines")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:
+            raise ManifestError(f"{path}: shapes.{name}={v!r} is not an integer in [1, {MAX_SHAPE}]; rebuild the engines")
     window = sh.windows
     for role, m in man.models.items():
         for g, e in m.graphs.items():
@@ -196,9 +202,12 @@ def load(directory: str | Path) -> Manifest:
             raise ManifestError(f"{path}: the {role} model has no {', '.join(missing)} graph (it needs "
                                 f"{', '.join(need)}): the manifest is damaged or incomplete; rebuild the engines")
         _check_initializers(path, role, m)
+    _check_special_ids(path, man)
+    confine(man, path.parent, path)
     return man
 
 
+MAX_SHAPE = 1 << 24      # no static shape (tokens, rows) is larger: beyond it a damaged manifest, not a model
 DECODE_PAIR_ROWS = 2    # the widest decode graph a target may have (T=2: plain steps pad one row)
 
 # graphs each model needs: the target always has all three (plain and speculative use
@@ -215,6 +224,12 @@ def _check_structure(raw: dict) -> None:
     for name in _DICT_FIELDS:
         if not isinstance(raw.get(name), dict):
             raise TypeError(f"{name} must be an object, got {type(raw.get(name)).__name__}")
+    for name in ("build", "quality"):    # optional objects
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            raise TypeError(f"{name} must be an object, got {type(raw[name]).__name__}")
+    bad = [k for k in ("kind", "backend", "machine", "os") if not isinstance(raw["device"].get(k, ""), str)]
+    if bad:
+        raise TypeError(f"device.{bad[0]} must be a string")
     for role, m in raw["models"].items():
         if role not in ("target", "draft") or not isinstance(m, dict):
             raise TypeError(f"models.{role} must be an object named target or draft")
@@ -222,27 +237,32 @@ def _check_structure(raw: dict) -> None:
             if not isinstance(m.get(name), dict):
                 raise TypeError(f"models.{role}.{name} must be an object, got {type(m.get(name)).__name__}")
         for g, e in m["graphs"].items():
-            if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not isinstance(e.get("tokens"), int):
-                raise TypeError(f"models.{role}.graphs.{g} must have a string file and an integer tokens")
+            if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not _count(e.get("tokens")):
+                raise TypeError(f"models.{role}.graphs.{g} must have a string file and a positive integer tokens")
             if e.get("engine") is not None:
                 _check_engine_file(f"models.{role}.graphs.{g}.engine", e["engine"])
         for key in ("layers", "kv_heads", "head_dim", "vocab"):
             v = m["dims"].get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"models.{role}.dims.{key}={v!r} is not a positive integer")
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:
+                raise ValueError(f"models.{role}.dims.{key}={v!r} is not an integer in [1, {MAX_SHAPE}]")
         w = m["weights"]
         if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
                 and isinstance(w.get("initializers"), dict)):
             raise TypeError(f"models.{role}.weights needs file, bytes, sha256 and initializers")
         if m["kv"].get("update", "returned") not in KV_UPDATES:
             raise ValueError(f"models.{role}.kv.update={m['kv'].get('update')!r}; expected one of {KV_UPDATES}")
+        if m["kv"].get("shares_cache_with") not in ((None, "target") if role == "draft" else (None,)):
+            raise ValueError(f"models.{role}.kv.shares_cache_with={m['kv'].get('shares_cache_with')!r}; a draft may "
+                             "share the target's cache (\"target\") or have its own (null)")
+        _check_io(f"models.{role}.io", m.get("io", IO_NAMES), m["kv"].get("update", "returned"))
     tok = raw["tokenizer"]
     if not (isinstance(tok.get("file"), str) and isinstance(tok.get("sha256"), str)):
         raise TypeError("tokenizer needs a string file and sha256")
     if tok.get("chat_template") is not None and not isinstance(tok["chat_template"], str):
         raise TypeError("tokenizer.chat_template must be a string or null")
-    if not all(isinstance(i, int) for i in tok.get("eos_token_ids", [])):
-        raise TypeError("tokenizer.eos_token_ids must be integers")
+    if not isinstance(tok.get("eos_token_ids", []), list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in tok.get("eos_token_ids", [])):
+        raise TypeError("tokenizer.eos_token_ids must be a list of integers")
     _check_engines(raw)
     props = raw.get("proposers")
     if props is not None:
@@ -250,6 +270,32 @@ def _check_structure(raw: dict) -> None:
             raise TypeError("proposers must be an object")
         for name, e in props.items():
             _check_engine_file(f"proposers.{name}", e)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SHAPE
+
+
+def _check_io(where: str, io, update: str) -> None:
+    """Tensor names: strings; the per-layer ones a template with one %d, the others none;
+    every name the graphs' cache update binds is there."""
+    if not isinstance(io, dict):
+        raise TypeError(f"{where} must be an object of tensor names")
+    need = ("input_ids", "past_len", "past_key", "past_value", "logits") + \
+        (("present_key", "present_value") if update == "in_place" else ("new_key", "new_value"))
+    missing = [k for k in need if k not in io]
+    if missing:
+        raise ValueError(f"{where} has no {', '.join(missing)} (tensor names the graphs are bound by)")
+    for key, name in io.items():
+        if key == "dtypes":
+            if not (isinstance(name, dict) and all(isinstance(v, str) for v in name.values())):
+                raise TypeError(f"{where}.dtypes must be an object of dtype names")
+            continue
+        per_layer = key in PER_LAYER_IO
+        if not (isinstance(name, str) and name and name.count("%") == (1 if per_layer else 0)
+                and (not per_layer or "%d" in name)):
+            raise ValueError(f"{where}.{key}={name!r} is not a tensor name"
+                             + (" template with one %d for the layer" if per_layer else " (no %)"))
 
 
 def _check_engine_file(where: str, e) -> None:
@@ -288,6 +334,24 @@ def _check_engines(raw: dict) -> None:
         raise ValueError(f"the graphs {', '.join(missing)} have no engine file in a TensorRT build")
 
 
+def _check_special_ids(path: Path, man: Manifest) -> None:
+    """End-of-sequence ids are token ids of the target's vocabulary, and a chat model has one
+    (without it a reply runs on past the end of its turn until max tokens)."""
+    vocab, tok = int(man.target.dims["vocab"]), man.tokenizer
+    eos = tok.get("eos_token_ids", [])
+    bad = [i for i in eos if not 0 <= i < vocab]
+    if bad:
+        raise ManifestError(f"{path}: tokenizer.eos_token_ids has {bad}, outside the target's vocabulary [0, {vocab}) "
+                            "(damaged manifest): restore it or rebuild the engines")
+    if tok.get("chat_template") and not eos:
+        raise ManifestError(f"{path}: tokenizer.eos_token_ids is empty but the model has a chat template: chat "
+                            "replies would never stop at the end of a turn: restore the manifest or rebuild the engines")
+    bos = tok.get("bos_token_id")
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or not 0 <= bos < vocab):
+        raise ManifestError(f"{path}: tokenizer.bos_token_id={bos!r} is not a token id of the vocabulary [0, {vocab}): "
+                            "restore the manifest or rebuild the engines")
+
+
 def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
     """Each weights.bin entry [offset, length, dtype, shape] lies inside the file and its
     length matches dtype x shape (memory-mapped sharing reads exactly these bytes)."""
@@ -296,92 +360,16 @@ def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
     for name, entry in m.weights["initializers"].items():
         try:
             offset, length, dtype, shape = entry
-            itemsize = np.dtype(dtype).itemsize
-            ok = (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and offset + length <= size
-                  and all(isinstance(d, int) and d >= 0 for d in shape)
+            itemsize = np.dtype(dtype).itemsize if np.dtype(dtype).kind in "fiu" else -1   # numbers only
+            ints = [offset, length, *shape]
+            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints) and 0 <= offset
+                  and offset + length <= size and all(d >= 0 for d in shape)
                   and int(np.prod(shape, dtype=np.int64)) * itemsize == length)
         except (TypeError, ValueError):
             ok = False
         if not ok:
             raise ManifestError(f"{path}: {role} initializer {name!r} has an invalid entry {entry!r} for a "
                                 f"{size}-byte weights file (damaged manifest): rebuild the engines")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def artifact_files(man: Manifest) -> list[tuple[str, str]]:
-    """(relative path, sha256) of every file the manifest names."""
-    entries = [(m.weights["file"], m.weights["sha256"]) for m in man.models.values()]
-    entries += [(g.file, g.sha256) for m in man.models.values() for g in m.graphs.values()]
-    entries += [(g.engine["file"], g.engine["sha256"]) for m in man.models.values() for g in m.graphs.values()
-                if g.engine is not None]
-    entries.append((man.tokenizer["file"], man.tokenizer["sha256"]))
-    entries += [(e["file"], e["sha256"]) for e in (man.proposers or {}).values()]
-    return entries
-
-
-def check_files(man: Manifest, directory: Path, *, hashes: bool = False) -> None:
-    """Every file the manifest names exists (and, with hashes=True, matches its sha256)."""
-    sizes = {m.weights["file"]: m.weights["bytes"] for m in man.models.values()}
-    sizes.update({g.engine["file"]: g.engine["bytes"] for m in man.models.values() for g in m.graphs.values()
-                  if g.engine is not None})
-    sizes.update({e["file"]: e["bytes"] for e in (man.proposers or {}).values()})
-    for rel, digest in artifact_files(man):
-        p = Path(directory) / rel
-        if not p.is_file():
-            raise GraphFileError(f"{p} is named by the manifest but missing: rebuild the engines")
-        if rel in sizes and p.stat().st_size != sizes[rel]:
-            raise GraphFileError(f"{p} has {p.stat().st_size} bytes, the manifest says {sizes[rel]}: the file is "
-                                 "truncated or replaced; rebuild the engines")
-        if hashes and sha256_file(p) != digest:
-            raise GraphFileError(f"{p} does not match the sha256 in the manifest (corrupt or replaced): rebuild the engines")
-
-
-VERIFY_MODES = ("full", "none")
-
-
-class HashCheck:
-    """sha256 of every artifact, computed in a background thread.
-
-    Hashing the default engines' ~770 MB takes ~0.6 s on one core; hashlib releases the
-    GIL, so it runs while ONNX Runtime builds its sessions. `result()` waits and raises
-    GraphFileError naming the first file that does not match (zeroed blocks, a graph
-    copied over another of the same size, an edited tokenizer).
-    """
-
-    def __init__(self, man: Manifest, directory: Path):
-        import threading
-        self.directory = Path(directory)
-        self.bad: list[str] = []
-        self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, args=(artifact_files(man),), name="specrt-verify",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, entries) -> None:
-        for rel, digest in entries:
-            try:
-                if sha256_file(self.directory / rel) != digest:
-                    self.bad.append(rel)
-            except OSError as e:
-                self.error = f"{self.directory / rel} cannot be read ({e.strerror})"
-                return
-
-    def result(self) -> None:
-        self._thread.join()
-        if self.error:
-            raise GraphFileError(f"{self.error}: check the engine folder, or rebuild the engines")
-        if self.bad:
-            paths = ", ".join(str(self.directory / b) for b in self.bad)
-            raise GraphFileError(f"{paths} {'does' if len(self.bad) == 1 else 'do'} not match the sha256 in the "
-                                 "manifest (damaged or replaced): rebuild the engines (`specrt build`, or "
-                                 "`make engines` for the default ones)")
 
 
 def this_device() -> dict:

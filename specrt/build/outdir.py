@@ -1,28 +1,36 @@
 """Where `specrt build` writes: checked before any long work, replaced atomically, and
 nothing deleted that the build did not create.
 
-    preflight(out)    refuse a file, the working folder or its ancestors, a mount point, a
-                      folder holding anything but a previous specrt build (unless --force)
+    preflight(out)    refuse a symbolic link, a file, the working folder or its ancestors, a
+                      mount point, a folder holding anything (at any depth) but a previous
+                      specrt build (unless --force)
     make_partial(out) a fresh hidden sibling `.NAME.partial-XXXX` with a marker file: the
                       build writes there; a unique name never collides with the user's folders
     commit(tmp, out)  swap it into place (the previous build moves to a unique
                       `.NAME.old-XXXX` and is deleted only after the swap succeeded)
+    discard(tmp)      remove the partial folder (a failed or interrupted build)
+    disk_full(...)    the error for a build that filled its disk: sizes, and what it needs
 
+Ctrl-C and SIGTERM (a `timeout`, a service manager) unwind the build, so `discard` runs.
 A build killed outright (SIGKILL, power loss) leaves its marked `.NAME.partial-XXXX`
 folder behind; the next build of the same NAME removes it, since the marker says
 specrt made it and its process is gone.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from specrt import manifest as mf
 from specrt.errors import BuildOutputError
 
 MARKER = ".specrt-partial"   # inside every folder a build creates; holds the builder's pid
+_SIGTERM_BEFORE: dict[Path, object] = {}   # partial folder -> the SIGTERM handler in place before it
 
 
 def preflight(out: str | Path, *, force: bool = False) -> Path:
@@ -30,6 +38,10 @@ def preflight(out: str | Path, *, force: bool = False) -> Path:
     if str(out).strip() == "":
         raise BuildOutputError("--out is empty: name a new folder, e.g. --out artifacts/mine")
     path = Path(os.path.abspath(Path(out).expanduser()))
+    if path.is_symlink():
+        raise BuildOutputError(f"--out {out} is a symbolic link (to {os.readlink(path)}); the build swaps its output "
+                               "folder in with a rename, which would replace the link, not the folder it points to: "
+                               f"give the folder itself, e.g. --out {path.resolve()}")
     cwd = Path.cwd()
     if path == cwd or path in cwd.parents or path.parent == path:
         raise BuildOutputError(f"--out {out} is the current folder or one of its parents; the build replaces its "
@@ -79,35 +91,74 @@ def make_partial(out: Path) -> Path:
     except OSError as e:
         raise BuildOutputError(f"cannot write a build next to {out} ({e.strerror or e}): choose an --out in a "
                                "writable folder") from None
+    if threading.current_thread() is threading.main_thread():
+        # until discard(tmp): SIGTERM (timeout, kill, a service manager) unwinds the build
+        # like Ctrl-C, so the caller's `finally: discard(tmp)` removes the partial folder
+        _SIGTERM_BEFORE[tmp] = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return tmp
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)     # 143, the exit status of a process ended by SIGTERM
+
+
 def commit(tmp: Path, out: Path) -> None:
-    """Move the finished build `tmp` to `out`; the previous build survives a failure."""
+    """Move the finished build `tmp` to `out`; the previous build survives a failure, and
+    `tmp` keeps its marker then (so `discard` still removes it)."""
+    marker = (tmp / MARKER).read_text()
     (tmp / MARKER).unlink(missing_ok=True)
-    old = None
+    old, moved = None, False
     try:
         if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
             out.rmdir()          # an empty folder (e.g. made by the user for the build) holds nothing to keep
         if out.exists() or out.is_symlink():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old)   # onto the empty unique folder: atomic, never someone else's name
+            moved = True
         os.replace(tmp, out)
     except OSError as e:
-        if old is not None and not out.exists():
+        if moved and not out.exists():
             os.replace(old, out)
-            old = None
+        elif old is not None and not moved:
+            old.rmdir()            # still the empty folder made above
+        if tmp.is_dir():
+            (tmp / MARKER).write_text(marker)
         raise BuildOutputError(f"could not move the finished build into {out} ({e.strerror or e}); the previous "
                                "contents are unchanged: check the folder's permissions, or choose another --out") \
             from None
-    if old is not None:
+    if moved:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def discard(tmp: Path) -> None:
-    """Remove a build folder this process created (only if it carries the marker)."""
+    """Remove a build folder this process created (only if it carries the marker), and give
+    SIGTERM back its previous handler."""
     if (tmp / MARKER).is_file():
         shutil.rmtree(tmp, ignore_errors=True)
+    if tmp in _SIGTERM_BEFORE and threading.current_thread() is threading.main_thread():
+        before = _SIGTERM_BEFORE.pop(tmp)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
+def disk_full(err: OSError, out: Path, tmp: Path) -> BuildOutputError | None:
+    """The error to raise for a build that ran out of disk space (None for any other OSError):
+    how much it had written, what is free, and roughly what it needs. Call before discard(tmp)."""
+    if err.errno != errno.ENOSPC:
+        return None
+    written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
+    free = shutil.disk_usage(tmp if tmp.exists() else out.parent).free
+    try:    # a previous build of the same kind in `out` is the best estimate
+        man = mf.load(out)
+        previous = sum((out / rel).stat().st_size for rel, _ in mf.artifact_files(man))
+    except (mf.ManifestError, OSError):
+        previous = 0
+    need = (f"about {previous / 1e6:.0f} MB, the size of the previous build in {out}" if previous > written else
+            f"more than the {written / 1e6:.0f} MB it had written (an fp32 target takes ~4 bytes per parameter, "
+            "its int8 draft ~1 more; the default SmolLM2-135M build takes ~520 MB)")
+    return BuildOutputError(f"the disk is full (no space left on the device holding {out.parent}): the build had "
+                            f"written {written / 1e6:.0f} MB when it failed, {free / 1e6:.0f} MB more were free; it "
+                            f"needs {need}. The partial build is removed: free space on that disk, or choose an "
+                            "--out on another one")
 
 
 def _remove_stale_partials(out: Path) -> None:

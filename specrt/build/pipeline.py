@@ -33,6 +33,11 @@ def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Pa
             from specrt.build.gpu import build_gpu
             build_gpu(cfg, out, tmp, progress, choice)
         outdir.commit(tmp, out)
+    except OSError as e:           # ENOSPC: say that the disk is full and what the build needs
+        full = outdir.disk_full(e, out, tmp)
+        if full is None:
+            raise
+        raise full from None
     finally:
         outdir.discard(tmp)        # a failed build leaves nothing behind; `out` is untouched
     return Path(cfg.out)

@@ -196,7 +196,7 @@ class SpeculativeGenerator(TextStreaming):
                       system: str | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
 
-    def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+    def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | dict | None = None,
                method: str = "speculative", ngram: int = 2, adaptive: bool | None = None) -> Iterator[Emitted]:
         """Yield generated tokens as they become final (EOS included; the caller stops).
         Arguments are checked here, before the first token is asked for.
@@ -205,7 +205,7 @@ class SpeculativeGenerator(TextStreaming):
         With adaptive k, "speculative" also verifies prompt lookup's guess (n = `ngram`) in
         rounds where that pays better than the draft; ngram=0 turns this off.
         adaptive: this call's setting (None: the instance's, see __init__)."""
-        sampling = sampling or SamplingParams()
+        sampling = SamplingParams.coerce(sampling)    # a SamplingParams, a mapping of its fields, or None
         if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < (1 if method == "lookup" else 0):
             raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match; "
                                       "0 turns prompt lookup off in speculative decoding)")

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -120,6 +121,30 @@ class SamplingParams:
         """True when decoding is argmax (temperature == 0)."""
         return self.temperature == 0
 
+    @classmethod
+    def coerce(cls, obj: "SamplingParams | Mapping | None") -> "SamplingParams":
+        """`obj` as SamplingParams: None is the default (greedy), a mapping gives the fields
+        by name (`{"temperature": 0.5}`); anything else is a SamplingParamsError."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, Mapping):
+            names = {f.name for f in fields(cls)}
+            unknown = sorted(str(k) for k in obj if k not in names)
+            if unknown:
+                raise SamplingParamsError(
+                    f"sampling has unknown fields {unknown}; SamplingParams takes {sorted(names)}"
+                )
+            return cls(**obj)
+        raise SamplingParamsError(
+            f"sampling={obj!r} ({type(obj).__name__}): pass a SamplingParams, a mapping such as "
+            '{"temperature": 0.5, "top_p": 0.9}, or None for greedy decoding'
+        )
+
+
+_TINIEST_T = np.finfo(np.float32).smallest_subnormal
+
 
 def _check_vector(name: str, a: np.ndarray, v: int) -> None:
     if a.shape != (v,):
@@ -166,8 +191,12 @@ def probs_from_logits(
         return out
 
     # Subtract the max before dividing so a tiny temperature cannot overflow to inf.
+    # The division is float32: a temperature below float32's smallest subnormal would
+    # round to 0 (0/0 = NaN at the argmax), so it divides by that subnormal instead,
+    # which is the limit t -> 0+ (all mass on the maxima). Any larger t is unchanged.
     np.subtract(logits, m, out=out)
-    np.divide(out, params.temperature, out=out)
+    with np.errstate(over="ignore"):    # (x - m) / tiny t -> -inf: exp gives the intended 0
+        np.divide(out, max(np.float32(params.temperature), _TINIEST_T), out=out)
     np.exp(out, out=out)
     np.divide(out, out.sum(), out=out)
 

@@ -4,9 +4,13 @@
     GET  /v1/models, /health, /metrics
 
 Every refusal is an OpenAI-style body `{"error": {message, type, param, code}}`:
-400 bad request, 404 unknown model, 429 queue full, 503 shutting down, 504 timeout.
+400 bad request, 404 unknown model, 429 queue full, 503 shutting down, 504 timeout
+(and, from guard.py in front of the app, 400 unknown Host, 401 no API key, 413 body too large).
 A streaming client that goes away cancels its job (Starlette cancels the response
-task; the `finally` below cancels the job); a non-streaming one is polled for.
+task; the `finally` below cancels the job); a non-streaming one is checked for every
+DISCONNECT_POLL_S, whether tokens are flowing or not.
+Validation (tokenizing the prompt, rendering the chat template) runs in a thread, off
+the event loop, so a long prompt never stalls the other requests' streams or /health.
 """
 from __future__ import annotations
 
@@ -133,11 +137,11 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
-        return await generate(request, validator.completion(body))
+        return await generate(request, await asyncio.to_thread(validator.completion, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        return await generate(request, validator.chat(body))
+        return await generate(request, await asyncio.to_thread(validator.chat, body))
 
     @app.get("/v1/models")
     async def models():
@@ -209,6 +213,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
 
     async def complete(request: Request, job: Job, reader: _Reader, rid: str, created: int, chat: bool):
         endpoint, parts, outcome = request.url.path, [], "cancelled"
+        next_check = time.perf_counter() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
@@ -216,10 +221,13 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                 except _Timeout:
                     outcome = "timeout"
                     return error(504, timeout_msg, "timeout", None, "timeout")
-                if ev is None:
+                if time.perf_counter() >= next_check:     # on a timer: tokens may never pause
+                    next_check = time.perf_counter() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         return Response(status_code=499)    # nobody reads it
-                elif isinstance(ev, Delta):
+                if ev is None:
+                    continue
+                if isinstance(ev, Delta):
                     parts.append(ev.text)
                 elif isinstance(ev, Failed):
                     e = ev.error

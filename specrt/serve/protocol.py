@@ -8,9 +8,23 @@ Strict mode: `"max_tokens": "5"` or `"stream": "yes"` is a 400, not a coercion.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _unicode_text(s: str) -> str:
+    """JSON's \\ud800 escapes decode to lone UTF-16 surrogates, which are not Unicode text:
+    no tokenizer or UTF-8 encoder takes them (a 400 here, not a 500 later)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone UTF-16 surrogate ({s[e.start]!a} at character {e.start}), which is not "
+                         "Unicode text: send a complete surrogate pair or the character itself") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]    # every string a request carries
 
 
 class StreamOptions(BaseModel):
@@ -20,12 +34,12 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)   # None -> 1.0, as OpenAI
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = Field(default=None)
+    stop: Text | list[Text] | None = Field(default=None)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
@@ -33,19 +47,19 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     # a string, or token ids; a list of strings (a batch) is refused in validation.py
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

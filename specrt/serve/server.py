@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +36,14 @@ class ServeConfig:
     threads: int = 2                # ORT intra-op threads (one pool for the process)
     model_name: str | None = None   # default: the engine folder's name
     log_level: str = "warning"
+    # --- who may call, and how much (guard.py, connections.py) ---
+    api_key: str | None = field(default=None, repr=False)   # required as `Authorization: Bearer KEY`
+    allowed_hosts: tuple[str, ...] = ()     # Host names accepted besides the defaults; "*": any
+    cors_origins: tuple[str, ...] = ()      # browser origins allowed to call (none: no CORS headers)
+    max_body_bytes: int = 1 << 20           # larger request bodies get 413
+    read_timeout: float = 15.0              # seconds for a request (headers and body) to arrive
+    keep_alive: int = 5                     # seconds an idle keep-alive connection stays open
+    max_connections: int = 64               # connections (and requests) at once; more get 503
 
     def __post_init__(self):
         if self.workers < 1:
@@ -48,6 +56,13 @@ class ServeConfig:
             raise ServeConfigError(f"--memory {self.memory}: choose one of {', '.join(MEMORY_MODES)}")
         if not 0 <= self.port <= 65535:
             raise ServeConfigError(f"--port {self.port}: give a port in [0, 65535]")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServeConfigError("--api-key (or SPECRT_API_KEY) is empty: give a key, or leave it unset for a "
+                                   "server without one")
+        for name, v in (("--max-body-bytes", self.max_body_bytes), ("--read-timeout", self.read_timeout),
+                        ("--keep-alive", self.keep_alive), ("--max-connections", self.max_connections)):
+            if not v > 0:
+                raise ServeConfigError(f"{name} {v}: give a positive number")
 
     @property
     def served_name(self) -> str:
@@ -67,7 +82,34 @@ def build_app(cfg: ServeConfig, factory: Callable = load_generator):
                           vocab=int(man.target.dims["vocab"]), model_name=name)
     app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,
                      max_context=man.shapes.max_context)
-    return app, pool
+    return guarded(app, cfg), pool
+
+
+def guarded(app, cfg: ServeConfig):
+    """The app behind the request guards (outermost first: Host, CORS, API key, body size)."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    from specrt.serve.guard import AllowedHosts, ApiKey, BodyLimit, default_hosts
+    app = BodyLimit(app, cfg.max_body_bytes)
+    if cfg.api_key:
+        app = ApiKey(app, cfg.api_key)
+    if cfg.cors_origins:
+        app = CORSMiddleware(app, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"], max_age=600)
+    hint = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:PORT"
+    return AllowedHosts(app, hosts=default_hosts(cfg.host) + tuple(cfg.allowed_hosts),
+                        any_ip=cfg.host in ("0.0.0.0", "::"), hint=hint)
+
+
+def uvicorn_config(app, cfg: ServeConfig):
+    """uvicorn's settings for `app` under `cfg`'s limits (the tests' live servers use it too)."""
+    import uvicorn
+
+    from specrt.serve.connections import timed_protocol
+    return uvicorn.Config(app, log_level=cfg.log_level, lifespan="on", http=timed_protocol(cfg.read_timeout),
+                          timeout_keep_alive=cfg.keep_alive, limit_concurrency=cfg.max_connections,
+                          h11_max_incomplete_event_size=64 * 1024,    # request line + headers
+                          timeout_graceful_shutdown=int(cfg.timeout + DRAIN_MARGIN_S))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -98,10 +140,9 @@ def serve(cfg: ServeConfig, out=print, factory: Callable = load_generator) -> in
     per = ", ".join(f"{w.load_mib:.0f}" for w in pool.info)
     out(f"specrt: serving {cfg.served_name!r} ({pool.method}) on http://{host}:{port}/v1 | {cfg.workers} "
         f"worker(s), memory {cfg.memory}: +{per} MiB each, RSS {rss_mib():.0f} MiB | queue {cfg.queue_size} | "
-        f"timeout {cfg.timeout:g} s")
+        f"timeout {cfg.timeout:g} s | API key {'required' if cfg.api_key else 'none'}")
     sys.stdout.flush()
-    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, lifespan="on",
-                                           timeout_graceful_shutdown=int(cfg.timeout + DRAIN_MARGIN_S)))
+    server = uvicorn.Server(uvicorn_config(app, cfg))
     # uvicorn re-raises SIGTERM after its graceful shutdown; with this handler in place
     # that re-raise is a no-op and the process exits 0 once the work is drained
     previous = signal.signal(signal.SIGTERM, lambda *_: None)

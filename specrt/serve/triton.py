@@ -6,6 +6,7 @@
         config.pbtxt       backend "python", decoupled, inputs/outputs, instance_group
         1/model.py         specrt/serve/triton_model.py (TritonPythonModel)
         engines/           only with copy_engines; otherwise config names the absolute path
+        .specrt-triton     the marker: a model folder without it is not overwritten (unless force)
 
 Serve it with `tritonserver --model-repository OUT`; the Python backend's environment
 must have specrt installed (its runtime dependencies only).
@@ -22,6 +23,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime import MEMORY_MODES
 
 MODEL_PY = Path(__file__).with_name("triton_model.py")
+MARKER = ".specrt-triton"   # in every model folder write_triton_repo writes
 
 # (name, Triton type, dims, optional)
 INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
@@ -50,9 +52,9 @@ def config_pbtxt(name: str, engines: str, *, instances: int, memory: str) -> str
 
 
 def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str | None = None, instances: int = 1,
-                      memory: str = "fast", copy_engines: bool = False) -> Path:
+                      memory: str = "fast", copy_engines: bool = False, force: bool = False) -> Path:
     """Write the repository; returns the model's folder. Refuses to overwrite a folder that
-    is not a model written by this function."""
+    this function did not write (no MARKER in it) unless `force`."""
     engines = Path(engines).resolve()
     mf.load(engines)        # a typed error now beats one in Triton's log
     name = model_name or engines.name
@@ -62,16 +64,40 @@ def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str |
         raise TritonRepoError(f"--instances {instances}: give at least 1")
     if memory not in MEMORY_MODES:
         raise TritonRepoError(f"--memory {memory}: choose one of {', '.join(MEMORY_MODES)}")
+    _check_destination(Path(out), Path(out) / name, force)
     model = Path(out) / name
-    if model.exists() and not (model / "config.pbtxt").exists():
-        raise TritonRepoError(f"{model} exists and is not a Triton model folder: pick another OUT or --model-name")
-    (model / "1").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(MODEL_PY, model / "1" / "model.py")
-    where = str(engines)
-    if copy_engines:
-        if (model / "engines").exists():
-            shutil.rmtree(model / "engines")
-        shutil.copytree(engines, model / "engines")
-        where = "engines"   # relative: model.py resolves it against the model folder
-    (model / "config.pbtxt").write_text(config_pbtxt(name, where, instances=instances, memory=memory))
+    try:
+        (model / "1").mkdir(parents=True, exist_ok=True)
+        (model / MARKER).write_text("written by `specrt triton-repo`; it rewrites this folder as a whole\n")
+        shutil.copyfile(MODEL_PY, model / "1" / "model.py")
+        where = str(engines)
+        if copy_engines:
+            if (model / "engines").is_dir() and not (model / "engines").is_symlink():
+                shutil.rmtree(model / "engines")
+            elif (model / "engines").exists() or (model / "engines").is_symlink():
+                (model / "engines").unlink()
+            shutil.copytree(engines, model / "engines")
+            where = "engines"   # relative: model.py resolves it against the model folder
+        (model / "config.pbtxt").write_text(config_pbtxt(name, where, instances=instances, memory=memory))
+    except OSError as e:
+        raise TritonRepoError(f"cannot write the model folder {model} ({e.strerror or e}): check that OUT is a "
+                              "writable folder with room, or choose another OUT") from None
     return model
+
+
+def _check_destination(out: Path, model: Path, force: bool) -> None:
+    """Before writing anything: OUT is a folder (or absent), and the model folder is absent or
+    one this function wrote."""
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise TritonRepoError(f"{p} is a file, not a folder: the model repository {out} must be a folder; "
+                                  "choose another OUT")
+    if model.exists() and not model.is_dir():
+        raise TritonRepoError(f"{model} is a file: pick another OUT or --model-name")
+    if model.is_dir() and not (model / MARKER).is_file() and not force:
+        held = sorted(str(p.relative_to(model)) for p in model.rglob("*") if p.is_file())
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise TritonRepoError(f"{model} exists and was not written by `specrt triton-repo` (no {MARKER} marker; it "
+                              f"holds {shown or 'nothing yet'}): pick another OUT or --model-name, or pass --force to "
+                              "overwrite its config.pbtxt and 1/model.py (and, with --copy-engines, replace its "
+                              "engines/ folder)")

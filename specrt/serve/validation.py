@@ -4,7 +4,9 @@ Everything that can be refused is refused here, before a worker is taken: fields
 specrt cannot honour, sampling ranges, the model name, and prompts that do not fit
 the engines' static context. The prompt is tokenized here with the validator's own
 tokenizer (never a worker's generator), exactly as `SpeculativeGenerator.encode_prompt`
-does, so the server and `specrt generate` see the same token ids.
+does, so the server and `specrt generate` see the same token ids. A text too long to
+fit is refused by its size before it is tokenized (see `max_prompt_bytes`): tokenizing
+megabytes only to refuse them would hold a core (and the GIL) for seconds.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from specrt.serve.errors import ModelNotFoundError, RequestError
 from specrt.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+# A tokenizer's normalizer may shrink text before it is split (NFC composes up to 3
+# characters into one); this margin keeps the size bound from refusing a prompt that fits.
+NORMALIZER_MARGIN = 4
 MAX_STOP_STRINGS = 4                    # OpenAI's limit
 
 # OpenAI fields specrt cannot honour: accepted only at their neutral value
@@ -39,9 +44,30 @@ class GenerationRequest:
     include_usage: bool
 
 
+def longest_token_bytes(tok: Tokenizer) -> int:
+    """The most UTF-8 bytes one token of `tok` stands for (special tokens included)."""
+    return max(len(tok.decode([i], skip_special_tokens=False).encode("utf-8")) for i in range(tok.vocab_size))
+
+
 class Validator:
     def __init__(self, tokenizer: Tokenizer, *, max_context: int, vocab: int, model_name: str):
         self.tok, self.max_context, self.vocab, self.model_name = tokenizer, max_context, vocab, model_name
+        # a text of more bytes has more than max_context tokens: each token covers at most
+        # `longest` bytes (+1: a decoder may drop a token's leading space when it stands alone)
+        self.longest = longest_token_bytes(tokenizer) + 1
+        self.max_prompt_bytes = NORMALIZER_MARGIN * self.longest * max_context
+
+    def _encode(self, text: str, param: str, **kw) -> list[int]:
+        self._check_size(len(text.encode("utf-8")), param)
+        return self.tok.encode(text, **kw)
+
+    def _check_size(self, n: int, param: str) -> None:
+        """Refuse text too long to fit max_context tokens before tokenizing it."""
+        if n > self.max_prompt_bytes:
+            raise RequestError(f"the prompt is {n} bytes of text, more than the {self.max_prompt_bytes} that the "
+                               f"engines' max_context={self.max_context} tokens can hold with this tokenizer (no "
+                               f"token stands for more than {self.longest} bytes): shorten the prompt",
+                               param=param, code="context_length_exceeded")
 
     def completion(self, req: CompletionRequest) -> GenerationRequest:
         self._common(req)
@@ -52,7 +78,7 @@ class Validator:
                                    "request: send them as separate (concurrent) requests", param="prompt")
             p = p[0]
         if isinstance(p, str):
-            ids = self.tok.encode(p)
+            ids = self._encode(p, "prompt")
         else:
             ids = list(p)
             if ids and (min(ids) < 0 or max(ids) >= self.vocab):
@@ -69,6 +95,8 @@ class Validator:
         # "developer" is OpenAI's newer name for "system"; chat templates know only "system"
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
+        self._check_size(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
+                             if isinstance(m["content"], str)), "messages")
         try:
             ids = self.tok.encode_chat(messages)   # control tokens typed in messages are encoded as text
         except SpecrtError as e:

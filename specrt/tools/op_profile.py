@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from specrt.errors import ConfigError
 from specrt.runtime import SpeculativeGenerator
 
 
@@ -25,7 +26,14 @@ def run_profile(engines: str, out_dir: str | Path, *, prompt: str = "Explain why
                 max_new_tokens: int = 32, method: str = "speculative", threads: int = 2, top: int = 8,
                 out: Callable[[str], None] = print) -> dict:
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir} is a file; profile writes a folder (trace.json, ops.csv): name a new "
+                          f"folder, e.g. --out {out_dir.with_suffix('')}-profile")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:    # a parent that is a file, no permission, ...
+        raise ConfigError(f"--out {out_dir}: cannot create the folder ({e.strerror or e}): choose another --out") \
+            from None
     with tempfile.TemporaryDirectory(prefix="specrt-profile-") as tmp:
         gen = SpeculativeGenerator(engines, threads=threads, profile_dir=tmp, methods=(method,))
         done = gen.generate(prompt, chat=bool(gen.tokenizer.chat_template), max_new_tokens=max_new_tokens,

@@ -369,3 +369,28 @@ def test_verifiers_refuse_mismatched_shapes():
             np.random.default_rng(0),
             np.empty(4, np.float32),
         )
+
+
+# --- issue 16: inputs at the edges -------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1e-46, 1e-300, 5e-324])
+def test_a_temperature_below_float32s_smallest_subnormal_concentrates_on_the_maxima_not_nan(t):
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        probs = warp(HAND_LOGITS, SamplingParams(temperature=t))
+        tied = warp(np.array([1.0, 3.0, 3.0, -2.0], np.float32), SamplingParams(temperature=t))
+    np.testing.assert_array_equal(probs, [1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(tied, [0.0, 0.5, 0.5, 0.0])    # the limit t -> 0+ splits ties
+
+
+def test_coerce_takes_params_a_mapping_or_none_and_names_what_it_refuses():
+    p = SamplingParams(temperature=0.5, seed=3)
+    assert SamplingParams.coerce(p) is p
+    assert SamplingParams.coerce(None) == SamplingParams()
+    assert SamplingParams.coerce({"temperature": 0.5, "seed": 3}) == p
+    with pytest.raises(SamplingParamsError, match="temprature"):
+        SamplingParams.coerce({"temprature": 0.5})
+    with pytest.raises(SamplingParamsError, match="mapping"):
+        SamplingParams.coerce("hot")
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        SamplingParams.coerce({"temperature": -1.0})

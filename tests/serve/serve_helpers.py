@@ -9,7 +9,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from specrt.serve.server import ServeConfig, bind, build_app
+from specrt.serve.server import ServeConfig, bind, build_app, uvicorn_config
 from specrt.serve.workers import load_generator
 
 WAIT_S = 60.0   # a hang guard, never a performance bound
@@ -32,8 +32,9 @@ class LiveServer:
         self.pool.start()
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        config = uvicorn_config(self.app, self.cfg)     # the limits `specrt serve` runs with
+        config.timeout_graceful_shutdown = 5
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, "the server to start")

@@ -58,3 +58,27 @@ def test_cli_serve_refuses_bad_settings_before_loading(tmp_path):
     r = subprocess.run([sys.executable, "-m", "specrt.cli", "serve", str(tmp_path), "--workers", "0"],
                        capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 2 and "--workers 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_serve_takes_the_key_from_the_environment_and_the_host_and_cors_flags(tiny_self_engines):
+    import os
+    env = dict(os.environ, SPECRT_API_KEY="env-key")
+    proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(tiny_self_engines), "--port", "0",
+                             "--allowed-hosts", "api.example, *.corp.example", "--cors-origin", "http://a.example",
+                             "--max-body-bytes", "2048"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        banner = proc.stdout.readline()
+        assert "API key required" in banner and "env-key" not in banner
+        url = re.search(r"on (http://\S+)/v1", banner).group(1)
+        key = {"authorization": "Bearer env-key"}
+        assert httpx.get(url + "/v1/models", timeout=WAIT_S).status_code == 401
+        r = httpx.get(url + "/v1/models", headers=key | {"host": "x.corp.example", "origin": "http://a.example"},
+                      timeout=WAIT_S)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://a.example"
+        assert httpx.get(url + "/v1/models", headers=key | {"host": "evil.example"}, timeout=WAIT_S).status_code == 400
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 3000}, headers=key, timeout=WAIT_S)
+        assert r.status_code == 413
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0

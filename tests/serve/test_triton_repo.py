@@ -55,7 +55,7 @@ def test_the_repository_is_a_decoupled_python_backend_model(tiny_self_engines, t
                         "--model-name", "tiny", "--instances", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
-        ["tiny", "tiny/1", "tiny/1/model.py", "tiny/config.pbtxt"]
+        ["tiny", "tiny/.specrt-triton", "tiny/1", "tiny/1/model.py", "tiny/config.pbtxt"]
     config = (out / "tiny" / "config.pbtxt").read_text()
     assert 'name: "tiny"' in config and 'backend: "python"' in config
     assert re.search(r"model_transaction_policy \{ decoupled: true \}", config)
@@ -75,7 +75,7 @@ def test_copy_engines_puts_them_in_the_model_folder(tiny_self_engines, tmp_path)
 
 def test_the_repository_refuses_what_it_cannot_write(tiny_self_engines, tmp_path):
     (tmp_path / "taken").mkdir()
-    with pytest.raises(TritonRepoError, match="not a Triton model folder"):
+    with pytest.raises(TritonRepoError, match="not written by `specrt triton-repo`"):
         write_triton_repo(tiny_self_engines, tmp_path, model_name="taken")
     with pytest.raises(TritonRepoError, match="--model-name"):
         write_triton_repo(tiny_self_engines, tmp_path, model_name="a b")
@@ -126,3 +126,42 @@ def test_a_cancelled_request_stops_and_the_next_one_starts_clean(model, referenc
     assert len(req.sender.sent) <= 3
     req = run(model, text_input=np.array([b"abc"], dtype=object), max_tokens=np.array([20], np.int32))
     assert text_of(req) == reference.generate("abc", max_new_tokens=20).text
+
+
+def _someone_elses_model(repo):
+    """The issue's reproducer: a Triton model folder specrt did not write."""
+    (repo / "eng" / "1").mkdir(parents=True)
+    (repo / "eng" / "engines").mkdir()
+    (repo / "eng" / "config.pbtxt").write_text("mine")
+    (repo / "eng" / "1" / "model.py").write_text("mine")
+    (repo / "eng" / "engines" / "precious.bin").write_text("data")
+
+
+def test_a_model_folder_it_did_not_write_is_refused_and_left_intact(tiny_self_engines, tmp_path):
+    repo = tmp_path / "repo"
+    _someone_elses_model(repo)
+    r = subprocess.run([sys.executable, "-m", "specrt.cli", "triton-repo", str(tiny_self_engines), str(repo),
+                        "--model-name", "eng", "--copy-engines"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "TritonRepoError" in r.stderr and "--force" in r.stderr, r.stderr
+    assert "precious.bin" in r.stderr and "Traceback" not in r.stderr
+    assert (repo / "eng" / "config.pbtxt").read_text() == "mine"
+    assert (repo / "eng" / "1" / "model.py").read_text() == "mine"
+    assert (repo / "eng" / "engines" / "precious.bin").read_text() == "data"
+
+
+def test_force_overwrites_it_and_a_rewrite_of_its_own_folder_needs_no_force(tiny_self_engines, tmp_path):
+    repo = tmp_path / "repo"
+    _someone_elses_model(repo)
+    model = write_triton_repo(tiny_self_engines, repo, model_name="eng", copy_engines=True, force=True)
+    assert not (model / "engines" / "precious.bin").exists() and (model / "engines" / "manifest.json").is_file()
+    assert "class TritonPythonModel" in (model / "1" / "model.py").read_text()
+    assert write_triton_repo(tiny_self_engines, repo, model_name="eng") == model    # its own: no force needed
+
+
+def test_an_out_that_is_a_file_is_a_typed_error(tiny_self_engines, tmp_path):
+    (tmp_path / "afile.txt").write_text("x")
+    for out in (tmp_path / "afile.txt", tmp_path / "afile.txt" / "sub"):
+        r = subprocess.run([sys.executable, "-m", "specrt.cli", "triton-repo", str(tiny_self_engines), str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "TritonRepoError" in r.stderr and "is a file" in r.stderr, r.stderr
+    assert (tmp_path / "afile.txt").read_text() == "x"

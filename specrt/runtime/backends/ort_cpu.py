@@ -109,14 +109,29 @@ class SharedWeights:
     def __init__(self, path: Path, entry: ModelEntry):
         self.map = np.memmap(path, dtype=np.uint8, mode="r")
         self.values: dict[str, ort.OrtValue] = {}
+        self.specs: dict[str, tuple] = {}   # name -> (shape, dtype, offset, length) from the manifest
         self._arrays = []  # keep the views alive as long as the OrtValues
         for name, (offset, length, dtype, shape) in entry.weights["initializers"].items():
             arr = self.map[offset:offset + length].view(np.dtype(dtype)).reshape(shape)
             self._arrays.append(arr)
             self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            self.specs[name] = (tuple(arr.shape), arr.dtype, offset, length)
 
-    def add_to(self, so: ort.SessionOptions, graph_initializers: set[str]) -> None:
-        for name in graph_initializers & self.values.keys():
+    def add_to(self, so: ort.SessionOptions, graph_initializers: dict, path: Path) -> None:
+        """graph_initializers: name -> the graph's TensorProto (dims, type and where its data
+        lies in weights.bin; no data). The manifest's entry must be the (hashed) graph's own:
+        the same shape and dtype, and the same bytes of the file, or it is refused here (a
+        shifted offset would otherwise run, silently, on other weights)."""
+        for name in graph_initializers.keys() & self.values.keys():
+            t, (shape, dtype, offset, length) = graph_initializers[name], self.specs[name]
+            ext = {e.key: e.value for e in t.external_data}
+            want = (tuple(t.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)),
+                    int(ext.get("offset", offset)), int(ext.get("length", length)))
+            if (shape, dtype, offset, length) != want:
+                raise ManifestError(f"the weights entry {name!r} in the manifest is {dtype}{list(shape)} at bytes "
+                                    f"[{offset}, {offset + length}), but {path} has {want[1]}{list(want[0])} at "
+                                    f"[{want[2]}, {want[2] + want[3]}) (damaged manifest): restore it or rebuild "
+                                    "the engines")
             so.add_initializer(name, self.values[name])
 
 
@@ -141,7 +156,7 @@ class GraphRunner:
             raise GraphFileError(f"graph file {path} is not a readable ONNX file ({type(e).__name__}: {e}); it is "
                                  "corrupt: rebuild the engines") from None
         if weights is not None:
-            weights.add_to(so, {i.name for i in proto.graph.initializer})
+            weights.add_to(so, {i.name: i for i in proto.graph.initializer}, path)
         del proto
         try:
             self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

@@ -1,0 +1,283 @@
+"""Issue 16, the server: inputs that used to be 500s, work that outlived its client, a
+long prompt that froze the event loop, and the limits a service owner expects (over
+real HTTP on 127.0.0.1, with the official client where one applies)."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from specrt import manifest as mf
+from specrt.runtime.tokenizer import Tokenizer
+from specrt.serve.validation import Validator
+
+from .serve_helpers import WAIT_S, LiveServer, wait_for
+
+
+def raw_request(url: str, head: bytes, body: bytes = b"", read: bool = True) -> bytes:
+    """Send bytes on a fresh socket; return all the server sends until it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as s:
+        s.sendall(head + body)
+        out = b""
+        while read and (chunk := s.recv(65536)):
+            out += chunk
+    return out
+
+
+def post(url: str, body: dict, path: str = "/v1/completions", **kw) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=WAIT_S, **kw)
+
+
+# --------------------------------------------------------------------------- 500s that were
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"prompt":"a\\ud800b","max_tokens":4}'),
+    ("/v1/completions", '{"prompt":["a\\udfffb"],"max_tokens":4}'),
+    ("/v1/completions", '{"prompt":"hi","stop":["\\ud800"],"max_tokens":4}'),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"a\\udfffb"}],"max_tokens":4}'),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]}'),
+], ids=["prompt", "prompt-list", "stop", "chat", "chat-part"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(live, path, body):
+    r = httpx.post(live.url + path, content=body.encode(), headers={"content-type": "application/json"},
+                   timeout=WAIT_S)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "surrogate" in err["message"] and err["param"] in ("prompt", "stop", "messages")
+
+
+def test_a_temperature_that_underflows_float32_samples_the_argmax(live, reference):
+    got = post(live.url, {"prompt": "hi", "max_tokens": 6, "temperature": 1e-300, "seed": 1})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == reference.generate("hi", max_new_tokens=6).text
+
+
+def test_max_tokens_exactly_the_room_left_is_accepted_and_one_more_is_not(live):
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    ids = [5 + i % 50 for i in range(90)]
+    room = 96 - len(ids)            # the tiny engines' max_context
+    got = c.completions.create(model=live.model, prompt=ids, max_tokens=room, temperature=0)
+    assert got.usage.prompt_tokens == 90 and got.usage.completion_tokens <= room
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=live.model, prompt=ids, max_tokens=room + 1, temperature=0)
+    assert e.value.body["param"] == "max_tokens" and f"at most {room}" in e.value.body["message"]
+
+
+# --------------------------------------------------------------------------- work without a client
+
+class _Slow:
+    """Each token takes 30 ms: a long generation that never pauses between tokens."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def stream(self, *a, **kw):
+        inner = self._gen.stream(*a, **kw)
+        try:
+            for chunk in inner:
+                time.sleep(0.03)
+                yield chunk
+        finally:
+            inner.close()
+
+
+def test_a_non_streaming_client_that_leaves_while_tokens_flow_frees_the_worker(tiny_self_engines, reference):
+    from specrt.serve.workers import load_generator
+    prompt = "The quick brown fox"
+    full = len(reference.generate(prompt, max_new_tokens=70).tokens)
+    assert full >= 40, "the test needs a long generation"
+    server = LiveServer(tiny_self_engines, workers=1,
+                        factory=lambda engines, **kw: _Slow(load_generator(engines, **kw)))
+    try:
+        body = json.dumps({"prompt": prompt, "max_tokens": 70, "temperature": 0}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as s:
+            s.sendall(head + body)
+            wait_for(lambda: server.health()["busy"] == 1, "the job to start")
+            time.sleep(0.3)
+        wait_for(lambda: server.count("/v1/completions", "cancelled") == 1, "the server to see the client leave")
+        wait_for(lambda: server.health()["busy"] == 0, "the worker to be freed")
+        made = server.metrics()[("specrt_generation_tokens_total", frozenset())]
+        assert made < full, f"the abandoned request ran to its end ({made} of {full} tokens)"
+    finally:
+        server.close()
+
+
+def test_tokenizing_a_prompt_runs_off_the_event_loop(live, monkeypatch):
+    """While one request's prompt is being tokenized, /health still answers."""
+    started, release = threading.Event(), threading.Event()
+    encode = Tokenizer.encode
+
+    def slow_encode(self, text, **kw):
+        if "SLOW-MARKER" in text:
+            started.set()
+            release.wait(WAIT_S)
+        return encode(self, text, **kw)
+    monkeypatch.setattr(Tokenizer, "encode", slow_encode)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=post(live.url, {"prompt": "SLOW-MARKER", "max_tokens": 2})))
+    t.start()
+    try:
+        assert started.wait(WAIT_S)
+        health = httpx.get(live.url + "/health", timeout=10)     # blocked for good if encode ran on the loop
+        assert health.status_code == 200 and not release.is_set()
+    finally:
+        release.set()
+        t.join(WAIT_S)
+    assert result["r"].status_code == 200
+
+
+def test_a_prompt_too_large_to_fit_is_refused_by_size_without_tokenizing(live, monkeypatch):
+    calls = []
+    encode = Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text, **kw: calls.append(len(text)) or
+                        encode(self, text, **kw))
+    man = mf.load(live.cfg.engines)
+    limit = Validator(Tokenizer(live.cfg.engines, man.tokenizer), max_context=man.shapes.max_context, vocab=1,
+                      model_name="").max_prompt_bytes
+    for path, body in (("/v1/completions", {"prompt": "w" * (limit + 1)}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * limit}]})):
+        r = post(live.url, body, path)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert all(n < limit for n in calls), "a text too large to fit was tokenized"
+    r = post(live.url, {"prompt": "w " * (limit // 2 - 1)})        # just under: tokenized, refused in tokens
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+    assert calls and max(calls) > limit // 2
+
+
+# --------------------------------------------------------------------------- limits and policy
+
+@pytest.fixture(scope="module")
+def guarded(tiny_self_engines):
+    server = LiveServer(tiny_self_engines, workers=1, api_key="s3cret-key", cors_origins=("http://app.example",),
+                        allowed_hosts=("api.example", "*.corp.example"), max_body_bytes=4096, read_timeout=1.0,
+                        keep_alive=1, max_connections=6)
+    yield server
+    server.close()
+
+
+def test_a_key_is_required_except_on_health(guarded):
+    ok = openai.OpenAI(base_url=guarded.url + "/v1", api_key="s3cret-key", max_retries=0, timeout=WAIT_S)
+    assert ok.completions.create(model=guarded.model, prompt="hi", max_tokens=3).choices[0].text is not None
+    for key in ("wrong", "s3cret-ke", "s3cret-key-and-more"):
+        bad = openai.OpenAI(base_url=guarded.url + "/v1", api_key=key, max_retries=0, timeout=WAIT_S)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.completions.create(model=guarded.model, prompt="hi", max_tokens=3)
+        assert e.value.body["code"] == "invalid_api_key" and "Bearer" in e.value.body["message"]
+    r = httpx.get(guarded.url + "/v1/models", timeout=WAIT_S)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(guarded.url + "/metrics", timeout=WAIT_S).status_code == 401
+    assert httpx.get(guarded.url + "/health", timeout=WAIT_S).status_code == 200
+
+
+def _get(server, host: str | None, origin: str | None = None, method="GET"):
+    headers = {"authorization": "Bearer s3cret-key"}
+    if host is not None:
+        headers["host"] = host
+    if origin:
+        headers["origin"] = origin
+    return httpx.request(method, server.url + "/v1/models", headers=headers, timeout=WAIT_S)
+
+
+def test_only_the_bound_address_local_names_and_allowed_hosts_are_answered(guarded):
+    port = guarded.url.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", "api.example", "x.corp.example:80"):
+        assert _get(guarded, host).status_code == 200, host
+    for host in ("evil.example", f"evil.example:{port}", "corp.example", "api.example.evil", "10.1.2.3", ""):
+        r = _get(guarded, host)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+        assert "--allowed-hosts" in r.json()["error"]["message"]
+
+
+def test_cors_headers_only_for_the_configured_origin(guarded, live):
+    pre = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+    r = httpx.options(guarded.url + "/v1/completions", timeout=WAIT_S, headers={"origin": "http://app.example", **pre})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    assert _get(guarded, None, "http://app.example").headers["access-control-allow-origin"] == "http://app.example"
+    assert "access-control-allow-origin" not in _get(guarded, None, "http://evil.example").headers
+    r = httpx.options(guarded.url + "/v1/completions", timeout=WAIT_S, headers={"origin": "http://evil.example", **pre})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    # without --cors-origin: no CORS headers at all, so browsers refuse cross-origin reads
+    r = httpx.get(live.url + "/v1/models", headers={"origin": "http://app.example"}, timeout=WAIT_S)
+    assert r.status_code == 200 and not [h for h in r.headers if h.startswith("access-control")]
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(guarded):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret-key\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 10000000\r\n\r\n")
+    out = raw_request(guarded.url, head)               # the 10 MB body is never sent
+    assert out.startswith(b"HTTP/1.1 413") and b"request_too_large" in out
+    big = {"prompt": "x" * 5000, "max_tokens": 2}     # sent whole, chunked (no Content-Length)
+    r = httpx.post(guarded.url + "/v1/completions", content=iter([json.dumps(big).encode()]), timeout=WAIT_S,
+                   headers={"authorization": "Bearer s3cret-key", "content-type": "application/json"})
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+
+
+def test_a_client_that_trickles_its_headers_is_disconnected(guarded):
+    host, port = guarded.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=8) as s:     # the default read timeout is 15 s
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        try:
+            for _ in range(3):
+                time.sleep(0.4)
+                s.sendall(b"X-Slow: 1\r\n")
+            assert s.recv(1024) == b""      # closed by the server (read timeout 1 s), not by the socket timeout
+        except ConnectionResetError:
+            pass                            # closed by the server while we were still sending
+
+
+def test_a_trickled_second_request_on_a_kept_alive_connection_is_disconnected(guarded):
+    host, port = guarded.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=8) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /health HTTP/1.1\r\n")       # each byte resets uvicorn's keep-alive timer
+        closed = False
+        try:
+            for _ in range(20):                        # 6 s of trickling; the read timeout is 1 s
+                time.sleep(0.3)
+                s.sendall(b"X: 1\r\n")
+        except OSError:
+            closed = True
+        if not closed:
+            s.settimeout(0.5)
+            try:
+                closed = s.recv(1024) == b""
+            except ConnectionResetError:
+                closed = True
+            except socket.timeout:
+                closed = False
+        assert closed, "a client trickling its second request kept the connection"
+
+
+def test_an_idle_keep_alive_connection_is_closed(guarded):
+    host, port = guarded.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=3.5) as s:    # the default keep-alive is 5 s
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        while (chunk := s.recv(65536)):     # the rest of the response, then the close
+            pass
+
+
+def test_connections_beyond_the_limit_get_503(guarded):
+    host, port = guarded.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=WAIT_S) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        assert httpx.get(guarded.url + "/health", timeout=WAIT_S).status_code == 503
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: httpx.get(guarded.url + "/health", timeout=WAIT_S).status_code == 200, "the slots to free")
