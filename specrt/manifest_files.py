@@ -20,12 +20,11 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import TYPE_CHECKING
+from typing import Any
 
 from specrt.errors import GraphFileError, ManifestError
 
-if TYPE_CHECKING:
-    from specrt.manifest import Manifest
+Manifest = Any   # specrt.manifest.Manifest (not imported: manifest.py imports this module)
 
 VERIFY_MODES = ("full", "none")
 
