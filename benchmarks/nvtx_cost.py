@@ -9,7 +9,8 @@ import argparse
 import sys
 
 from specrt.prompts import PROMPTS
-from specrt.runtime import SpeculativeGenerator, trace
+from specrt.runtime import SpeculativeGenerator
+from specrt.runtime import nvtx_ranges as trace
 
 
 def main(argv=None) -> int:

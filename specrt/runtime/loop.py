@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from specrt.runtime import trace
+from specrt.runtime import nvtx_ranges as trace
 from specrt.runtime.adaptive import AdaptiveK
 from specrt.runtime.backends.base import ModelRunner
 from specrt.runtime.metrics import Metrics

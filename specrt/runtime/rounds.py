@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specrt.runtime import trace
+from specrt.runtime import nvtx_ranges as trace
 from specrt.runtime.backends.base import ModelRunner
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
