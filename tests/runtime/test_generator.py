@@ -255,5 +255,5 @@ def test_engines_without_a_draft_decode_plainly_and_refuse_to_speculate(tmp_path
     g = SpeculativeGenerator(d)
     assert g.manifest.draft is None and g.methods == ("plain", "lookup")
     assert len(_tokens(g, PROMPTS[0], 8, "plain")) == 8
-    with pytest.raises(SamplingParamsError, match="no draft"):
+    with pytest.raises(SamplingParamsError, match="without a draft model"):
         SpeculativeGenerator(d, methods=("speculative",))

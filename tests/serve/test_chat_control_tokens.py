@@ -27,4 +27,4 @@ def test_a_lone_surrogate_in_chat_content_is_a_400_naming_messages(live):
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "messages" and "UTF-8" in err["message"]
+    assert err["param"] == "messages" and "surrogate" in err["message"]
