@@ -28,6 +28,7 @@ from pathlib import Path
 
 __all__ = [
     "FAMILIES",
+    "ARCHITECTURE_CASES",
     "SPECIAL_TOKENS",
     "CHARS",
     "UNK_ID",
@@ -162,6 +163,33 @@ _FAMILY_EXTRAS = {
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                  "partial_rotary_factor": 0.5})),
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),    # every second layer without rotary
+}
+
+
+# Llama 3.x rope scaling, sized so that all three of its regimes hold some of the 8 frequencies
+# of a 16-dim head: kept (wavelength < 16), smoothed (16..64) and divided by `factor` (> 64)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+# Phi-3's long-context rotary (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): short factors up to
+# original_max_position_embeddings, long ones past it; 8 factors for the 16 rotary dims
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                 "original_max_position_embeddings": 64,
+                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
+
+# architecture cases the tests run (docs/architectures.md names them): name -> (family, extra config)
+ARCHITECTURE_CASES = {
+    "qwen3": ("qwen3", None),
+    "gemma": ("gemma", None),
+    "gemma2": ("gemma2", None),
+    "gemma3_text": ("gemma3_text", None),
+    "phi3": ("phi3", None),
+    "smollm3": ("smollm3", None),
+    "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral_window": ("mistral", {"sliding_window": 5}),
+    "qwen3_window": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "phi3_longrope": ("phi3", {"rope_parameters": PHI3_LONGROPE, "max_position_embeddings": 1024,
+                               "original_max_position_embeddings": 64}),   # Phi3Config copies it into the rope
 }
 
 

@@ -59,8 +59,7 @@ class ArchSpec:
         """What this family declares, as the support table lists it: the base layout, then
         each FEATURES field that differs from its default (`name` for a flag, `name=value`)."""
         out = [f"norm={self.norm}", f"positions={self.positions}", f"mlp={self.mlp}"]
-        if self.fused_qkv:
-            out.append("fused_qkv")
+        out += [name for name in ("fused_qkv", "conv1d") if getattr(self, name)]
         for f in fields(self):
             if f.name in FEATURES and getattr(self, f.name) != f.default:
                 v = getattr(self, f.name)
