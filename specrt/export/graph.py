@@ -33,6 +33,10 @@ Three attention variants (`attention=`):
     q [1, H, T, D] ──────────────────────────────────────────────────────┼─ Attention ─ o [1, H, T, D]
     mask [1, 1, T, M]: j <= past_len + t ───────────────────────────────┘ (GQA: head h reads kv h // G)
 
+Sliding-window layers (Dims.windows) see only j > past_len + t - window: one more mask term
+in "portable" and "standard", GroupQueryAttention's local_window_size in "gqa"; the cache
+stays full length, so rewinding is still lowering the length.
+
 "portable": cache rows >= past_len are masked, so stale rows
 are harmless. Attention never concatenates the cache (that would copy M rows per
 layer per step): scores against the cache and against the new block are computed
@@ -49,6 +53,7 @@ import torch.onnx.ops
 from torch import nn
 
 from specrt.errors import ExportError
+from specrt.export.rotary import cos_sin, gqa_table, rotate_half_matrix
 from specrt.export.specs import ArchSpec, Dims
 
 
@@ -85,19 +90,19 @@ class StaticDecoder(nn.Module):
                 raise ExportError(f"the model rotates {R} of {dims.head_dim} head dims; ONNX Runtime's "
                                   "GroupQueryAttention takes a partial rotary table only when R/2 is a multiple of "
                                   "8: build with --attention portable")
-            self.register_buffer("rot", rotate_half_matrix(dims.head_dim, 2 * len(inv_freq)), persistent=False)
+            self.register_buffer("rot", rotate_half_matrix(dims.head_dim, R), persistent=False)
             # GroupQueryAttention's rotary tables, one row per cache position: [M, R/2]
-            self.register_buffer("cos_cache", _gqa_table(torch.cos, inv_freq, attention_scaling, kv_capacity),
+            self.register_buffer("cos_cache", gqa_table(torch.cos, inv_freq, attention_scaling, kv_capacity),
                                  persistent=False)
-            self.register_buffer("sin_cache", _gqa_table(torch.sin, inv_freq, attention_scaling, kv_capacity),
+            self.register_buffer("sin_cache", gqa_table(torch.sin, inv_freq, attention_scaling, kv_capacity),
                                  persistent=False)
             if local_rope is not None:
                 local_freq, self.rope_scale_local = local_rope
                 assert local_freq.shape == inv_freq.shape, "local and global rotary tables differ in size"
                 self.register_buffer("inv_freq_local", local_freq.to(torch.float32), persistent=False)
-                self.register_buffer("cos_cache_local", _gqa_table(torch.cos, local_freq, self.rope_scale_local,
+                self.register_buffer("cos_cache_local", gqa_table(torch.cos, local_freq, self.rope_scale_local,
                                                                    kv_capacity), persistent=False)
-                self.register_buffer("sin_cache_local", _gqa_table(torch.sin, local_freq, self.rope_scale_local,
+                self.register_buffer("sin_cache_local", gqa_table(torch.sin, local_freq, self.rope_scale_local,
                                                                    kv_capacity), persistent=False)
         # a window as long as the cache never hides a row: such layers are exported as full attention
         windows = [w if w is not None and w < kv_capacity else None for w in map(dims.window, range(dims.layers))]
@@ -152,14 +157,8 @@ class StaticDecoder(nn.Module):
         tables = {"global": (self.inv_freq, self.rope_scale)}
         if hasattr(self, "inv_freq_local"):
             tables["local"] = (self.inv_freq_local, self.rope_scale_local)
-        D = self.dims.head_dim
         for kind, (inv_freq, scale) in tables.items():
-            freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]        # [T, R/2]
-            emb = torch.cat([freqs, freqs], dim=-1)                          # [T, R]
-            cos, sin = emb.cos() * scale, emb.sin() * scale
-            if emb.shape[-1] < D:   # partial rotary: the last D - R dims pass through (cos 1, sin 0)
-                cos = torch.cat([cos, torch.ones(cos.shape[0], D - cos.shape[-1])], dim=-1)
-                sin = torch.cat([sin, torch.zeros(sin.shape[0], D - sin.shape[-1])], dim=-1)
+            cos, sin = cos_sin(pos, inv_freq, scale, self.dims.head_dim)     # [T, D] (export/rotary.py)
             ropes[kind] = (cos.to(self.dtype), sin.to(self.dtype), self.rot)
         return ropes
 
@@ -233,22 +232,6 @@ def _norm(spec, x, w, b, eps):
         # written as ORT's SimplifiedLayerNormalization fusion expects (Pow-ReduceMean-Add-Sqrt-Div)
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
     return nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-
-def rotate_half_matrix(d: int, rotary: int | None = None) -> torch.Tensor:
-    """[D, D] with x @ R == cat(-x[r/2:r], x[:r/2], 0 * x[r:]) for r = rotary (default D): one
-    MatMul instead of Slice/Neg/Concat; dims past r (partial rotary) map to 0."""
-    r = torch.zeros(d, d)
-    h = (rotary or d) // 2
-    r[torch.arange(h) + h, torch.arange(h)] = -1.0
-    r[torch.arange(h), torch.arange(h) + h] = 1.0
-    return r
-
-
-def _gqa_table(fn, inv_freq: torch.Tensor, scale: float, rows: int) -> torch.Tensor:
-    """GroupQueryAttention's cos_cache / sin_cache: fn(position * inv_freq) * scale, [rows, R/2]."""
-    freqs = torch.arange(rows, dtype=torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    return fn(freqs) * scale
 
 
 # Hugging Face ACT2FN names (specs.ACTIVATIONS) -> the function
