@@ -75,11 +75,12 @@ def test_family_dir_layout_and_config(family_dirs, family):
         assert (cfg["n_embd"], cfg["n_head"], cfg["n_layer"], cfg["n_positions"]) == (64, 4, 2, 512)
     else:
         assert cfg["num_hidden_layers"] == 2
-        assert cfg["num_attention_heads"] == 4
-        assert cfg["num_key_value_heads"] == 2
+        heads = (2, 1) if family == "phi3" else (4, 2)      # phi3: head_dim 32 for a partial rotary table
+        assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == heads
         assert cfg["rms_norm_eps"] == 1e-5
-        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
-        assert theta == 10000.0
+        rope = cfg.get("rope_parameters") or {}
+        rope = rope.get("sliding_attention", rope)             # gemma3_text: one table per layer type
+        assert cfg.get("rope_theta", rope.get("rope_theta")) == 10000.0
         if family in ("mistral", "qwen2"):
             assert cfg.get("sliding_window") is None or cfg["sliding_window"] >= 512
 

@@ -11,6 +11,7 @@ API
 ``make_tokenizer_files(dir, V)``   one-token-per-char ``tokenizer.json`` + ``tokenizer_config.json``.
 ``make_tiny_model_dir(dir, ...)``  ``config.json`` + ``model.safetensors`` + tokenizer files.
 ``make_pair(root, ...)``           (target_dir, draft_dir) sharing one tokenizer.
+``make_truncated_draft(t, dir)``   the target's first layers as a separate draft model dir.
 ``make_pickled_only_dir(dir)``     ``config.json`` + ``pytorch_model.bin`` (no safetensors).
 
 Token ids (independent of ``vocab_size``): ``<unk>``=0, ``<s>``=1, ``</s>``=2,
@@ -27,6 +28,7 @@ from pathlib import Path
 
 __all__ = [
     "FAMILIES",
+    "ARCHITECTURE_CASES",
     "SPECIAL_TOKENS",
     "CHARS",
     "UNK_ID",
@@ -39,10 +41,11 @@ __all__ = [
     "make_tokenizer_files",
     "make_tiny_model_dir",
     "make_pair",
+    "make_truncated_draft",
     "make_pickled_only_dir",
 ]
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "smollm3")
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 UNK_ID, BOS_ID, DOC_EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
@@ -138,8 +141,61 @@ def make_tokenizer_files(directory: Path, vocab_size: int) -> None:
 # --------------------------------------------------------------------------- models
 
 
+# What each newer family's tiny config sets beyond the Llama-like fields: small head_dim
+# (the classes default to 128-256), and each family's own features made to bite at tiny
+# sizes: a query scale that is not 1/sqrt(head_dim), soft-caps small enough for tanh to
+# be non-linear, sliding windows shorter than the test contexts, local and global layers
+# with different rotary tables, layers without rotary. Override any of them with `extra`.
+_FAMILY_EXTRAS = {
+    "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=False, use_sliding_window=False)),
+    "gemma": ("GemmaConfig", dict(head_dim=16, hidden_act="gelu_pytorch_tanh")),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                    sliding_window=6, final_logit_softcapping=20.0, attn_logit_softcapping=3.0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=6,
+        sliding_window_pattern=2,      # layers: local, global, local, ...
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    # head_dim 32, half of it rotary (Phi-4-mini rotates 3/4): GroupQueryAttention takes a partial
+    # rotary table whose width R/2 is a multiple of 8
+    "phi3": ("Phi3Config", dict(num_attention_heads=2, num_key_value_heads=1,
+                                original_max_position_embeddings=512, resid_pdrop=0.0, embd_pdrop=0.0,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5})),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),    # every second layer without rotary
+}
+
+
+# Llama 3.x rope scaling, sized so that all three of its regimes hold some of the 8 frequencies
+# of a 16-dim head: kept (wavelength < 16), smoothed (16..64) and divided by `factor` (> 64)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+# Phi-3's long-context rotary (Phi-3-mini-128k, Phi-3.5, Phi-4-mini): short factors up to
+# original_max_position_embeddings, long ones past it; 8 factors for the 16 rotary dims
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                 "original_max_position_embeddings": 64,
+                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
+
+# architecture cases the tests run (docs/architectures.md names them): name -> (family, extra config)
+ARCHITECTURE_CASES = {
+    "qwen3": ("qwen3", None),
+    "gemma": ("gemma", None),
+    "gemma2": ("gemma2", None),
+    "gemma3_text": ("gemma3_text", None),
+    "phi3": ("phi3", None),
+    "smollm3": ("smollm3", None),
+    "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral_window": ("mistral", {"sliding_window": 5}),
+    "qwen3_window": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "phi3_longrope": ("phi3", {"rope_parameters": PHI3_LONGROPE, "max_position_embeddings": 1024,
+                               "original_max_position_embeddings": 64}),   # Phi3Config copies it into the rope
+}
+
+
 def _make_config(family: str, *, layers, vocab_size, hidden, heads, kv_heads, intermediate,
-                 max_positions, tie_embeddings):
+                 max_positions, tie_embeddings, extra=None):
+    extra = dict(extra or {})
     common_ids = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if family == "gpt2":
         from transformers import GPT2Config
@@ -156,6 +212,7 @@ def _make_config(family: str, *, layers, vocab_size, hidden, heads, kv_heads, in
             attn_pdrop=0.0,
             tie_word_embeddings=True,
             **common_ids,
+            **extra,
         )
 
     if hidden % heads:
@@ -180,15 +237,25 @@ def _make_config(family: str, *, layers, vocab_size, hidden, heads, kv_heads, in
     if family == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(attention_bias=False, mlp_bias=False, **llama_like)
+        return LlamaConfig(**{"attention_bias": False, "mlp_bias": False, **llama_like, **extra})
     if family == "mistral":
         from transformers import MistralConfig
 
-        return MistralConfig(sliding_window=None, **llama_like)
+        return MistralConfig(**{"sliding_window": None, **llama_like, **extra})
     if family == "qwen2":
         from transformers import Qwen2Config
 
-        return Qwen2Config(use_sliding_window=False, sliding_window=None, **llama_like)
+        return Qwen2Config(**{"use_sliding_window": False, "sliding_window": None, **llama_like, **extra})
+    if family in _FAMILY_EXTRAS:
+        import transformers
+
+        cls, defaults = _FAMILY_EXTRAS[family]
+        kw = {**llama_like, **defaults, **extra}
+        if "rope_parameters" in kw:     # the family's own rope table replaces the Llama-like theta
+            kw.pop("rope_theta")
+        if "hidden_activation" in kw:
+            kw.pop("hidden_act")
+        return getattr(transformers, cls)(**kw)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -201,10 +268,21 @@ BIAS_STD = 0.3        # q/k/v (qwen2), GPT-2 attention/MLP/LayerNorm biases
 NORM_NOISE = 0.1      # RMSNorm / LayerNorm scales are 1 + N(0, NORM_NOISE)
 
 
+# Gemma's RMSNorms scale by (1 + w): their weights are drawn around 0, not 1
+_NORM_OFFSET_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+# Gemma 2/3 normalise each block's output before the residual add; at unit scale the
+# (sqrt(hidden)-scaled) embedding dominates the residual and greedy decoding echoes the last
+# token, so these norms start large (as trained Gemma checkpoints' are)
+_BLOCK_OUTPUT_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+BLOCK_OUTPUT_NORM_CENTER = 40.0
+
+
 def _init_weights(model, seed: int) -> None:
     """Large-ish random init so logits are peaked (greedy decoding is not a tie-fest)."""
     import torch
 
+    sandwich = model.config.model_type in ("gemma2", "gemma3_text")
+    norm_center = 0.0 if model.config.model_type in _NORM_OFFSET_FAMILIES else 1.0
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied params appear once
@@ -215,7 +293,9 @@ def _init_weights(model, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
             else:  # norm scale
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * NORM_NOISE)
+                center = BLOCK_OUTPUT_NORM_CENTER if sandwich and any(n in name for n in _BLOCK_OUTPUT_NORMS) \
+                    else norm_center
+                p.copy_(center + torch.randn(p.shape, generator=gen) * NORM_NOISE)
 
 
 def _build_model(family, *, seed, **cfg_kwargs):
@@ -236,8 +316,11 @@ def _build_model(family, *, seed, **cfg_kwargs):
 def make_tiny_model_dir(directory: Path, family: str = "llama", *, layers: int = 2,
                         vocab_size: int = 128, hidden: int = 64, heads: int = 4,
                         kv_heads: int = 2, intermediate: int = 128, max_positions: int = 512,
-                        seed: int = 0, tie_embeddings: bool = True) -> Path:
-    """Create an HF model dir (config.json, model.safetensors, tokenizer files)."""
+                        seed: int = 0, tie_embeddings: bool = True, extra: dict | None = None) -> Path:
+    """Create an HF model dir (config.json, model.safetensors, tokenizer files).
+
+    extra: config fields set on top of the family's tiny defaults (`_FAMILY_EXTRAS`),
+    e.g. {"sliding_window": 8} or a rope_parameters dict."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     _vocab(vocab_size)  # validate before doing any work
@@ -246,7 +329,7 @@ def make_tiny_model_dir(directory: Path, family: str = "llama", *, layers: int =
     model = _build_model(
         family, seed=seed, layers=layers, vocab_size=vocab_size, hidden=hidden, heads=heads,
         kv_heads=kv_heads, intermediate=intermediate, max_positions=max_positions,
-        tie_embeddings=tie_embeddings,
+        tie_embeddings=tie_embeddings, extra=extra,
     )
     kwargs = {}
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
@@ -257,14 +340,39 @@ def make_tiny_model_dir(directory: Path, family: str = "llama", *, layers: int =
 
 
 def make_pair(root: Path, *, target_layers: int = 3, draft_layers: int = 1,
-              vocab_size: int = 128, family: str = "llama") -> tuple[Path, Path]:
+              vocab_size: int = 128, family: str = "llama", extra: dict | None = None) -> tuple[Path, Path]:
     """A (target_dir, draft_dir) pair: different depth and seed, identical tokenizer."""
     root = Path(root)
     target = make_tiny_model_dir(root / "target", family, layers=target_layers,
-                                 vocab_size=vocab_size, seed=0)
+                                 vocab_size=vocab_size, seed=0, extra=extra)
     draft = make_tiny_model_dir(root / "draft", family, layers=draft_layers,
-                                vocab_size=vocab_size, seed=1)
+                                vocab_size=vocab_size, seed=1, extra=extra)
     return target, draft
+
+
+def make_truncated_draft(target: Path, directory: Path, layers: int = 1) -> Path:
+    """A separate draft model: the first `layers` blocks of `target` (same embeddings, final
+    norm and tokenizer) saved as its own Hugging Face directory. Related to the target, so
+    greedy drafts are both accepted and rejected (a draft from another seed almost never
+    agrees with a random target). Per-layer config lists (layer_types, no_rope_layers) are
+    cut to match."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    target, directory = Path(target), Path(directory)
+    model = AutoModelForCausalLM.from_pretrained(target).float().eval()
+    n = model.config.num_hidden_layers
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    for name in ("layer_types", "no_rope_layers"):
+        value = getattr(model.config, name, None)
+        if isinstance(value, list) and len(value) == n:
+            setattr(model.config, name, value[:layers])
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, directory / name)
+    return directory
 
 
 def make_pickled_only_dir(directory: Path) -> Path:

@@ -30,11 +30,14 @@ def check_window(lm, shapes) -> None:
     if shapes.max_context > lm.dims.max_positions:
         raise SpecrtError(f"max_context={shapes.max_context} exceeds the model's max_position_embeddings="
                           f"{lm.dims.max_positions}: lower --max-context")
-    sw = lm.identity.get("sliding_window")
-    if sw and sw < shapes.kv_capacity:
-        raise SpecrtError(f"the model uses sliding-window attention ({sw} tokens) and max_context + window "
-                          f"= {shapes.kv_capacity} exceeds it; specrt does not export sliding windows: "
-                          f"use --max-context below {sw - max(shapes.prefill_chunk, shapes.k + 1)}")
+    # sliding windows are exported (the attention mask / GroupQueryAttention's local_window_size);
+    # a rotary table that transformers swaps for another past some length is not
+    for rope in (lm.identity.get("rope") or {}).values():
+        limit = rope.get("max_context")
+        if limit and shapes.max_context > limit:
+            raise SpecrtError(f"the model's {rope['rope_type']} rotary embedding switches to its long-context "
+                              f"factors beyond original_max_position_embeddings={limit} tokens, which a static "
+                              f"graph cannot follow: use --max-context {limit} or less")
 
 
 def check_same_tokenizer(a, b) -> None:

@@ -33,6 +33,10 @@ Three attention variants (`attention=`):
     q [1, H, T, D] ──────────────────────────────────────────────────────┼─ Attention ─ o [1, H, T, D]
     mask [1, 1, T, M]: j <= past_len + t ───────────────────────────────┘ (GQA: head h reads kv h // G)
 
+Sliding-window layers (Dims.windows) see only j > past_len + t - window: one more mask term
+in "portable" and "standard", GroupQueryAttention's local_window_size in "gqa"; the cache
+stays full length, so rewinding is still lowering the length.
+
 "portable": cache rows >= past_len are masked, so stale rows
 are harmless. Attention never concatenates the cache (that would copy M rows per
 layer per step): scores against the cache and against the new block are computed
@@ -44,12 +48,12 @@ separately and joined only after the dot products:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.onnx.ops
 from torch import nn
 
+from specrt.errors import ExportError
+from specrt.export.rotary import cos_sin, gqa_table, rotate_half_matrix
 from specrt.export.specs import ArchSpec, Dims
 
 
@@ -60,7 +64,10 @@ def _w(sd: dict, name: str) -> nn.Parameter:
 class StaticDecoder(nn.Module):
     def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, *, tokens: int, kv_capacity: int,
                  inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
-                 attention: str = "portable", dtype: torch.dtype = torch.float32, static_total: bool = False):
+                 attention: str = "portable", dtype: torch.dtype = torch.float32, static_total: bool = False,
+                 local_rope: tuple[torch.Tensor, float] | None = None):
+        # local_rope: (inv_freq, attention_scaling) of the layers whose Dims.rotary is "local"
+        # (Gemma 3's sliding layers); inv_freq/attention_scaling are the "global" table
         super().__init__()
         assert attention in ATTENTION, attention
         self.spec, self.dims, self.T, self.M, self.attention = spec, dims, tokens, kv_capacity, attention
@@ -70,19 +77,36 @@ class StaticDecoder(nn.Module):
         tied = dims.tied or W["lm_head"] not in sd
         self.lm_head = _param(sd[W["embed" if tied else "lm_head"]].t())
         self.embed = None if tied else _param(sd[W["embed"]])
-        self.final_norm = _w(sd, W["final_norm"])
+        self.final_norm = _param(sd[W["final_norm"]].float() + spec.norm_offset)
         self.final_norm_bias = _w(sd, W["final_norm_bias"]) if "final_norm_bias" in W else None
         if spec.positions == "learned":
             self.pos_embed = _w(sd, W["pos_embed"])
         else:
             self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
             self.rope_scale = attention_scaling
-            self.register_buffer("rot", rotate_half_matrix(dims.head_dim), persistent=False)
-            # GroupQueryAttention's rotary tables, one row per cache position: [M, D/2]
-            freqs = torch.arange(kv_capacity, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-            self.register_buffer("cos_cache", freqs.cos() * attention_scaling, persistent=False)
-            self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
-        self.layers = nn.ModuleList(_Layer(spec, dims, sd, i) for i in range(dims.layers))
+            # rotary on the first R = 2 * len(inv_freq) dims of each head (R < D: Phi-3's partial rotary)
+            R = 2 * len(inv_freq)
+            if attention == "gqa" and R < dims.head_dim and (R // 2) % 8:
+                raise ExportError(f"the model rotates {R} of {dims.head_dim} head dims; ONNX Runtime's "
+                                  "GroupQueryAttention takes a partial rotary table only when R/2 is a multiple of "
+                                  "8: build with --attention portable")
+            self.register_buffer("rot", rotate_half_matrix(dims.head_dim, R), persistent=False)
+            # GroupQueryAttention's rotary tables, one row per cache position: [M, R/2]
+            self.register_buffer("cos_cache", gqa_table(torch.cos, inv_freq, attention_scaling, kv_capacity),
+                                 persistent=False)
+            self.register_buffer("sin_cache", gqa_table(torch.sin, inv_freq, attention_scaling, kv_capacity),
+                                 persistent=False)
+            if local_rope is not None:
+                local_freq, self.rope_scale_local = local_rope
+                assert local_freq.shape == inv_freq.shape, "local and global rotary tables differ in size"
+                self.register_buffer("inv_freq_local", local_freq.to(torch.float32), persistent=False)
+                self.register_buffer("cos_cache_local", gqa_table(torch.cos, local_freq, self.rope_scale_local,
+                                                                   kv_capacity), persistent=False)
+                self.register_buffer("sin_cache_local", gqa_table(torch.sin, local_freq, self.rope_scale_local,
+                                                                   kv_capacity), persistent=False)
+        # a window as long as the cache never hides a row: such layers are exported as full attention
+        windows = [w if w is not None and w < kv_capacity else None for w in map(dims.window, range(dims.layers))]
+        self.layers = nn.ModuleList(_Layer(spec, dims, sd, i, windows[i]) for i in range(dims.layers))
         T, G = tokens, dims.group
         # causal mask of the new block, one copy per query group: [G*T, T]
         causal = torch.tril(torch.ones(T, T, dtype=torch.bool)).repeat(G, 1)
@@ -97,6 +121,8 @@ class StaticDecoder(nn.Module):
             self.to(dtype)
             if spec.positions == "rope":
                 self.inv_freq = self.inv_freq.float()
+                if local_rope is not None:
+                    self.inv_freq_local = self.inv_freq_local.float()
 
     def forward(self, input_ids, past_len, *past):
         # input_ids: [1, T]; past_len: [1]; past: 2*L tensors [1, KVH, M, D]
@@ -105,25 +131,49 @@ class StaticDecoder(nn.Module):
             x = self.lm_head[:, input_ids[0]].t().unsqueeze(0)               # [1, T, C]
         else:
             x = self.embed[input_ids[0]].unsqueeze(0)
+        if self.dims.embed_scale != 1.0:     # Gemma: sqrt(hidden), after the gather (the table is the LM head)
+            x = x * self.dims.embed_scale
         if self.spec.positions == "learned":
             # padded prefill rows may run past the table; they are never read
             x = x + self.pos_embed[pos.clamp(max=self.dims.max_positions - 1)].unsqueeze(0)
-            rope = None
         if self.attention == "gqa":
             return self._forward_gqa(x, past_len, past)
-        if self.spec.positions == "rope":
-            freqs = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]   # [T, D/2]
-            emb = torch.cat([freqs, freqs], dim=-1)                          # [T, D]
-            rope = ((emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype),
-                    self.rot)
+        ropes = self._ropes(pos)
         if self.attention == "standard":
-            return self._forward_standard(x, past_len, pos, past, rope)
-        valid = self.cache_pos < past_len                                     # [M]
+            return self._forward_standard(x, past_len, pos, past, ropes)
+        masks = self._masks(past_len, pos)
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, self.causal, rope)
+            x, k, v = layer(x, past[2 * i], past[2 * i + 1], *masks[layer.window], ropes[layer.rotary])
             new_kv += [k, v]
         return (self._head(x), *new_kv)
+
+    def _ropes(self, pos) -> dict:
+        """Each rotary table the layers use, at positions pos [T]: kind -> (cos [T, D], sin [T, D],
+        rotate-half [D, D]), and "none" -> None (learned positions, SmolLM3's layers without rotary)."""
+        ropes = {"none": None}
+        if self.spec.positions != "rope":
+            return ropes
+        tables = {"global": (self.inv_freq, self.rope_scale)}
+        if hasattr(self, "inv_freq_local"):
+            tables["local"] = (self.inv_freq_local, self.rope_scale_local)
+        for kind, (inv_freq, scale) in tables.items():
+            cos, sin = cos_sin(pos, inv_freq, scale, self.dims.head_dim)     # [T, D] (export/rotary.py)
+            ropes[kind] = (cos.to(self.dtype), sin.to(self.dtype), self.rot)
+        return ropes
+
+    def _masks(self, past_len, pos) -> dict:
+        """Portable attention's masks per sliding window (None: full attention): window ->
+        (cache rows [G*T, M] or [M], new block [G*T, T]); query row r is token t = r % T at
+        position pos[t], which sees positions j with pos[t] - window < j <= pos[t]."""
+        valid = self.cache_pos < past_len                                     # [M]
+        masks = {None: (valid, self.causal)}
+        G = self.dims.group
+        for w in {layer.window for layer in self.layers} - {None}:
+            near_past = self.cache_pos[None, :] > (pos - w)[:, None]          # [T, M]
+            near_new = self.step_pos[None, :] > self.step_pos[:, None] - w    # [T, T]
+            masks[w] = (valid & near_past.repeat(G, 1), self.causal & near_new.repeat(G, 1))
+        return masks
 
     def _forward_gqa(self, x, past_len, past):
         if not torch.onnx.is_in_onnx_export():
@@ -137,27 +187,37 @@ class StaticDecoder(nn.Module):
             # constant M (the buffer length) with the real length in seqlens_k, as onnxruntime-genai
             # does; same results on ORT CPU (tests/gpu_fakes/test_fp16.py).
             total = torch.tensor(self.M, dtype=torch.int32)
-        rope = (self.cos_cache, self.sin_cache) if self.spec.positions == "rope" else None
+        tables = {"none": None}
+        if self.spec.positions == "rope":
+            tables["global"] = (self.cos_cache, self.sin_cache)
+            if hasattr(self, "cos_cache_local"):
+                tables["local"] = (self.cos_cache_local, self.sin_cache_local)
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.forward_gqa(x, past[2 * i], past[2 * i + 1], seqlens, total, rope)
+            x, k, v = layer.forward_gqa(x, past[2 * i], past[2 * i + 1], seqlens, total, tables[layer.rotary])
             present += [k, v]
         return (self._head(x), *present)
 
-    def _forward_standard(self, x, past_len, pos, past, rope):
-        # row t may attend to cache rows j <= past_len + t (the cache already holds row t itself)
+    def _forward_standard(self, x, past_len, pos, past, ropes):
+        # row t may attend to cache rows j <= past_len + t (the cache already holds row t itself),
+        # in a sliding-window layer only to j > past_len + t - window
         T, M = self.T, self.M
-        attend = (self.cache_pos[None, :] <= pos[:, None]).reshape(1, 1, T, M)  # [1, 1, T, M] bool
+        causal = self.cache_pos[None, :] <= pos[:, None]                           # [T, M]
+        attend = {w: (causal if w is None else causal & (self.cache_pos[None, :] > (pos - w)[:, None]))
+                  .reshape(1, 1, T, M) for w in {layer.window for layer in self.layers}}   # [1, 1, T, M] bool
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend, rope)
+            x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend[layer.window],
+                                             ropes[layer.rotary])
             present += [k, v]
         return (self._head(x), *present)
 
     def _head(self, x):
         x = _norm(self.spec, x, self.final_norm, self.final_norm_bias, self.dims.eps)
         logits = x @ self.lm_head                                           # [1, T, V]
-        return logits if logits.dtype == torch.float32 else logits.float()   # logits stay fp32 at the IO
+        logits = logits if logits.dtype == torch.float32 else logits.float()   # logits stay fp32 at the IO
+        cap = self.dims.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap   # Gemma 2: cap * tanh(logits / cap)
 
 
 ATTENTION = ("gqa", "portable", "standard")
@@ -174,13 +234,14 @@ def _norm(spec, x, w, b, eps):
     return nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
 
 
-def rotate_half_matrix(d: int) -> torch.Tensor:
-    """[D, D] with x @ R == cat(-x[d/2:], x[:d/2]): one MatMul instead of Slice/Neg/Concat."""
-    r = torch.zeros(d, d)
-    h = d // 2
-    r[torch.arange(h) + h, torch.arange(h)] = -1.0
-    r[torch.arange(h), torch.arange(h) + h] = 1.0
-    return r
+# Hugging Face ACT2FN names (specs.ACTIVATIONS) -> the function
+ACTIVATION_FNS = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "relu": nn.functional.relu,
+}
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -189,29 +250,49 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 class _Layer(nn.Module):
     """One block. Linear weights are stored [in, out] (MatMul's B as a plain initializer, so
-    quantizers see them), q/k/v are one MatMul and gate/up another: fewer, larger ops."""
+    quantizers see them), q/k/v are one MatMul and gate/up another: fewer, larger ops.
 
-    def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, i: int):
+    What the spec declares shapes the block: q/k norms (qk_norm), norms of the attention and
+    MLP outputs (sandwich_norm), the attention scale and soft-cap, this layer's sliding window
+    (`window`, None: full attention) and rotary table (`rotary`: "global", "local", "none").
+
+        x ─ norm1 ─ qkv ─ [q/k norm] ─ [rotary] ─ attention ─ o ─ [attn_out_norm] ─ + x ─┐
+        ┌─────────────────────────────────────────────────────────────────────────────────┘
+        └─ norm2 ─ gate_up ─ act(gate) * up ─ down ─ [mlp_out_norm] ─ + ─ out"""
+
+    def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, i: int, window: int | None = None):
         super().__init__()
         self.spec, self.dims = spec, dims
+        self.window, self.rotary = window, dims.rotary_of(i)
+        self.scale, self.softcap = dims.scale, dims.attn_softcap
+        self.act = ACTIVATION_FNS[dims.act]
         W = {k: v.format(i=i) for k, v in spec.weights.items()}
         get = lambda key: sd[W[key]].to(torch.float32)                     # noqa: E731
         has = lambda key: key in W and W[key] in sd                          # noqa: E731
         # HF Linear stores [out, in]; GPT-2 Conv1D already stores [in, out]
         lin = (lambda key: get(key)) if spec.conv1d else (lambda key: get(key).t())  # noqa: E731
-        self.norm1, self.norm2 = _param(get("norm1")), _param(get("norm2"))
+        norm = lambda key: _param(get(key) + spec.norm_offset)             # noqa: E731  Gemma: (1 + w)
+        self.norm1, self.norm2 = norm("norm1"), norm("norm2")
         self.norm1_bias = _param(get("norm1_bias")) if has("norm1_bias") else None
         self.norm2_bias = _param(get("norm2_bias")) if has("norm2_bias") else None
+        self.attn_out_norm = norm("attn_out_norm") if spec.sandwich_norm else None
+        self.mlp_out_norm = norm("mlp_out_norm") if spec.sandwich_norm else None
+        # q and k norms as one [H+KVH, D] table: row h scales head h (q heads, then k heads)
+        H, KVH = dims.heads, dims.kv_heads
+        self.qk_norm = (_param(torch.cat([norm("q_norm").expand(H, -1), norm("k_norm").expand(KVH, -1)]))
+                        if spec.qk_norm else None)
         if spec.fused_qkv:
-            self.qkv, self.qkv_b = _param(lin("qkv")), _param(get("qkv_bias"))    # [C, 3C]
+            self.qkv = _param(lin("qkv"))                                             # [C, (H+2KVH)*D]
+            self.qkv_b = _param(get("qkv_bias")) if dims.qkv_bias else None
         else:
             self.qkv = _param(torch.cat([lin("q"), lin("k"), lin("v")], dim=1))  # [C, (H+2KVH)*D]
             self.qkv_b = (_param(torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]))
                           if dims.qkv_bias else None)
         self.o = _param(lin("o"))
         self.o_b = _param(get("o_bias")) if has("o_bias") else None
-        if spec.mlp == "gated_silu":
-            self.gate_up = _param(torch.cat([lin("gate"), lin("up")], dim=1))     # [C, 2I]
+        if spec.mlp == "gated":
+            self.gate_up = _param(lin("gate_up") if spec.fused_gate_up
+                                  else torch.cat([lin("gate"), lin("up")], dim=1))   # [C, 2I]: gate, up
             self.down = _param(lin("down"))
         else:
             self.fc, self.fc_b = _param(lin("fc")), _param(get("fc_bias"))
@@ -222,43 +303,66 @@ class _Layer(nn.Module):
         y = x @ w
         return y if b is None else y + b
 
+    def _cap(self, scores):
+        # Gemma 2: scores = cap * tanh(scores / cap), after the scale, before the mask
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
+
+    def _out(self, o):
+        # attention output [1, T, H*D] -> the residual branch [1, T, C]
+        y = self._lin(o, self.o, self.o_b)
+        return y if self.attn_out_norm is None else _norm(self.spec, y, self.attn_out_norm, None, self.dims.eps)
+
     def forward(self, x, past_k, past_v, valid, causal, rope):
-        # x: [1, T, C]; past_k/v: [1, KVH, M, D]; valid: [M] bool; causal: [G*T, T] bool
+        # x: [1, T, C]; past_k/v: [1, KVH, M, D]; valid: [M] (or [G*T, M] in a sliding-window layer) bool;
+        # causal: [G*T, T] bool
         d = self.dims
         T, H, KVH, D, G = x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
         q, k, v = self._qkv_heads(x, rope)                                       # [1, H, T, D], [1, KVH, T, D]
         # head h reads kv head h // G (HF repeat_kv order): [1, KVH, G*T, D]
-        qg = (q * (1.0 / math.sqrt(D))).reshape(1, KVH, G * T, D)
-        s_past = (qg @ past_k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))  # [1, KVH, G*T, M]
-        s_new = (qg @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))       # [1, KVH, G*T, T]
+        qg = (q * self.scale).reshape(1, KVH, G * T, D)
+        s_past = self._cap(qg @ past_k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))  # [1, KVH, G*T, M]
+        s_new = self._cap(qg @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))       # [1, KVH, G*T, T]
         a = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
         M = past_k.shape[2]
         o = a[..., :M] @ past_v + a[..., M:] @ v                                      # [1, KVH, G*T, D]
         o = o.reshape(1, H, T, D).transpose(1, 2).reshape(1, T, H * D)
-        return self._mlp(x + self._lin(o, self.o, self.o_b)), k, v
+        return self._mlp(x + self._out(o)), k, v
 
     def forward_gqa(self, x, past_k, past_v, seqlens, total, rope):
         # x: [1, T, C]; past_k/v: [1, KVH, M, D] (also the present outputs: written in place)
         d = self.dims
         T, H, KVH, D = x.shape[1], d.heads, d.kv_heads, d.head_dim
         h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
-        q, k, v = self._lin(h, self.qkv, self.qkv_b).split([H * D, KVH * D, KVH * D], dim=-1)
+        if self.qk_norm is None:
+            q, k, v = self._lin(h, self.qkv, self.qkv_b).split([H * D, KVH * D, KVH * D], dim=-1)
+        else:   # normed here, before GroupQueryAttention's rotary (its own q/k norm inputs are CUDA-only)
+            qk, v = self._lin(h, self.qkv, self.qkv_b).split([(H + KVH) * D, KVH * D], dim=-1)
+            qk = _norm(self.spec, qk.view(1, T, H + KVH, D), self.qk_norm, None, d.eps)   # [1, T, H+KVH, D]
+            q, k = qk.reshape(1, T, (H + KVH) * D).split([H * D, KVH * D], dim=-1)
         inputs = [q, k, v, past_k, past_v, seqlens, total] + (list(rope) if rope is not None else [])
+        attrs = dict(num_heads=H, kv_num_heads=KVH, scale=self.scale, do_rotary=int(rope is not None),
+                     rotary_interleaved=0)
+        if self.softcap is not None:
+            attrs["softcap"] = float(self.softcap)
+        if self.window is not None:
+            # the same window as transformers': the last `window` positions, the query's own included
+            # (measured: window - 1 fails parity on a tiny Gemma 2)
+            attrs["local_window_size"] = self.window
         o, pk, pv = torch.onnx.ops.symbolic_multi_out(
-            "com.microsoft::GroupQueryAttention", inputs,
-            dict(num_heads=H, kv_num_heads=KVH, scale=1.0 / math.sqrt(D), do_rotary=int(rope is not None),
-                 rotary_interleaved=0),
+            "com.microsoft::GroupQueryAttention", inputs, attrs,
             dtypes=(x.dtype, x.dtype, x.dtype),
             shapes=((1, T, H * D), tuple(past_k.shape), tuple(past_v.shape)), version=1)
-        return self._mlp(x + self._lin(o, self.o, self.o_b)), pk, pv
+        return self._mlp(x + self._out(o)), pk, pv
 
     def _qkv_heads(self, x, rope):
-        # x: [1, T, C] -> q [1, H, T, D], k/v [1, KVH, T, D], rotary applied
+        # x: [1, T, C] -> q [1, H, T, D], k/v [1, KVH, T, D], q/k normed, rotary applied
         d = self.dims
         T, H, KVH, D = x.shape[1], d.heads, d.kv_heads, d.head_dim
         h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
         qkv = self._lin(h, self.qkv, self.qkv_b).view(1, T, H + 2 * KVH, D).transpose(1, 2)  # [1, H+2KVH, T, D]
         qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
+        if self.qk_norm is not None:
+            qk = _norm(self.spec, qk, self.qk_norm[:, None, :], None, d.eps)       # per head: [H+KVH, 1, D]
         if rope is not None:
             cos, sin, rot = rope                                                   # [T, D], [D, D]
             qk = qk * cos + (qk @ rot) * sin                                       # q and k rotated together
@@ -270,19 +374,21 @@ class _Layer(nn.Module):
         T, H, D = x.shape[1], d.heads, d.head_dim
         q, k, v = self._qkv_heads(x, rope)
         present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
-        o, _, _, _ = torch.onnx.ops.attention(q, present_k, present_v, attend, scale=1.0 / math.sqrt(D))
+        o, _, _, _ = torch.onnx.ops.attention(q, present_k, present_v, attend, scale=self.scale,
+                                              softcap=float(self.softcap or 0.0))
         o = o.transpose(1, 2).reshape(1, T, H * D)                                 # [1, H, T, D] -> [1, T, H*D]
-        return self._mlp(x + self._lin(o, self.o, self.o_b)), present_k, present_v
+        return self._mlp(x + self._out(o)), present_k, present_v
 
     def _mlp(self, x):
         d = self.dims
         h = _norm(self.spec, x, self.norm2, self.norm2_bias, d.eps)
-        if self.spec.mlp == "gated_silu":
+        if self.spec.mlp == "gated":
             gate, up = (h @ self.gate_up).chunk(2, dim=-1)
-            m = (nn.functional.silu(gate) * up) @ self.down
+            m = (self.act(gate) * up) @ self.down
         else:
-            m = self._lin(nn.functional.gelu(self._lin(h, self.fc, self.fc_b), approximate="tanh"),
-                          self.proj, self.proj_b)
+            m = self._lin(self.act(self._lin(h, self.fc, self.fc_b)), self.proj, self.proj_b)
+        if self.mlp_out_norm is not None:
+            m = _norm(self.spec, m, self.mlp_out_norm, None, d.eps)
         return x + m
 
 

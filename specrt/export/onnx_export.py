@@ -40,7 +40,7 @@ def build_module(lm: LoadedModel, tokens: int, kv_capacity: int, layers: int | N
     dims = lm.dims if layers is None else _replace_layers(lm.dims, layers)
     return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, kv_capacity=kv_capacity,
                          inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling, attention=attention,
-                         dtype=DTYPES[precision], static_total=static_total).eval()
+                         dtype=DTYPES[precision], static_total=static_total, local_rope=lm.local_rope).eval()
 
 
 def _replace_layers(dims, layers):
@@ -102,11 +102,13 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     proto = fusion.fuse_model(onnx.load(str(path)))
     found = fusion.describe(proto)
     # RMSNorm families: a fused norm after every residual Add (2 per layer, the first layer's
-    # input norm has none; the final norm has one); every family: packed QKV in every layer
+    # input norm has none; the final norm has one); packed QKV in every layer, except where q/k
+    # norms sit between the projection and attention (spec.qk_norm)
     norms = 2 * d.layers if module.spec.norm == "rms" else 0
-    if found["skip_simplified_layer_norm"] < norms or found["packed_qkv_attention"] != d.layers:
+    packed = 0 if module.spec.qk_norm else d.layers
+    if found["skip_simplified_layer_norm"] < norms or found["packed_qkv_attention"] != packed:
         raise ExportError(f"fusing the T={T} gqa graph matched {found} (expected {norms} fused norms and "
-                          f"{d.layers} packed-QKV attention nodes): the exporter's output has changed; "
+                          f"{packed} packed-QKV attention nodes): the exporter's output has changed; "
                           "update specrt/export/fuse.py's patterns")
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)     # onnx appends to an existing data file

@@ -30,6 +30,8 @@ class LoadedModel:
     inv_freq: torch.Tensor | None
     attention_scaling: float
     identity: dict                  # path, files and their sha256, model_type
+    # (inv_freq, attention_scaling) of the layers whose Dims.rotary is "local" (Gemma 3's sliding layers)
+    local_rope: tuple | None = None
 
 
 # a Hub model id: "org/name" (names of letters, digits, "-", "_", "."), as huggingface_hub validates them
@@ -77,7 +79,6 @@ def _from_hub_cache(model_id: str) -> Path:
 
 def load_source(path: str | Path) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     directory, gguf = _resolve(path)
     kw = {"gguf_file": gguf} if gguf else {"use_safetensors": True}
@@ -91,17 +92,8 @@ def load_source(path: str | Path) -> LoadedModel:
         raise
     except Exception as e:  # transformers raises many types for an unreadable source
         raise ModelSourceError(f"could not load {path}: {type(e).__name__}: {e}") from e
-    inv_freq, scaling = None, 1.0
-    if spec.positions == "rope":
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS and rope_type != "default":
-            raise ModelSourceError(f"rope_type={rope_type!r} depends on sequence length; static export needs a "
-                                   "fixed frequency table")
-        if rope_type == "default":
-            inv_freq, scaling = _default_inv_freq(cfg, dims), 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    tables, rope_info = _rope_tables(model, cfg, spec) if spec.positions == "rope" else ({}, None)
+    inv_freq, scaling = tables.get("global", (None, 1.0))
     sliding = getattr(cfg, "sliding_window", None)
     files = [directory / gguf] if gguf else sorted(directory.glob("*.safetensors")) + [directory / "config.json"]
     local = Path(path).exists()
@@ -112,12 +104,49 @@ def load_source(path: str | Path) -> LoadedModel:
         "family": spec.family,
         "files": {f.name: sha256_file(f) for f in files},
         "sliding_window": sliding,
+        **({"rope": rope_info} if rope_info else {}),
     }
-    return LoadedModel(model, tokenizer, spec, dims, inv_freq, float(scaling), identity)
+    return LoadedModel(model, tokenizer, spec, dims, inv_freq, float(scaling), identity, tables.get("local"))
 
 
-def _default_inv_freq(cfg, dims: Dims) -> torch.Tensor:
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    d = dims.head_dim
-    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+# rotary types whose frequencies change with the sequence length at run time: a static graph
+# has one table. ("longrope" switches tables at original_max_position_embeddings: its short
+# table is exact below that length, so the build refuses a longer --max-context instead.)
+_SEQUENCE_DEPENDENT = ("dynamic",)
+
+
+def _rope_tables(model, cfg, spec: ArchSpec) -> tuple[dict, dict]:
+    """The rotary tables transformers itself built for this model, read off its rotary
+    embedding module (what its forward multiplies positions by): kind -> (inv_freq, scaling)
+    with kind "global", and "local" where the spec declares rope_local_base (Gemma 3 keeps
+    one table per layer type). Also the manifest's record of them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        raise ModelSourceError(f"{spec.family}: found no rotary embedding module in {type(model).__name__}")
+    kinds = {"global": "full_attention", "local": "sliding_attention"} if spec.rope_local_base else {"global": None}
+    tables, info = {}, {}
+    for kind, layer_type in kinds.items():
+        p = (params.get(layer_type) or {}) if layer_type else params
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type in _SEQUENCE_DEPENDENT or rope_type not in ROPE_INIT_FUNCTIONS and rope_type != "default":
+            raise ModelSourceError(f"rope_type={rope_type!r} depends on sequence length; static export needs a "
+                                   "fixed frequency table")
+        prefix = f"{layer_type}_" if layer_type else ""
+        # original_inv_freq: the table at init (a longrope forward past its original length
+        # overwrites inv_freq with the long factors in place)
+        inv_freq = getattr(rotary, f"{prefix}original_inv_freq", None)
+        if inv_freq is None:
+            inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        if inv_freq is not None:
+            scaling = getattr(rotary, f"{prefix}attention_scaling")
+        else:   # a layer type no layer of this model has (a cut-down Gemma 3): transformers' function
+            init = ROPE_INIT_FUNCTIONS.get(rope_type, type(rotary).compute_default_rope_parameters)
+            inv_freq, scaling = init(cfg, None, layer_type=layer_type)
+        tables[kind] = (inv_freq.detach().to(torch.float32).clone(), float(scaling))
+        info[kind] = {"rope_type": rope_type, "rotary_dim": 2 * inv_freq.numel()}
+        if rope_type == "longrope":
+            info[kind]["max_context"] = int(p.get("original_max_position_embeddings")
+                                            or getattr(cfg, "original_max_position_embeddings"))
+    return tables, info
