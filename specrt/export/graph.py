@@ -124,6 +124,16 @@ class StaticDecoder(nn.Module):
                 if local_rope is not None:
                     self.inv_freq_local = self.inv_freq_local.float()
 
+    def example_inputs(self) -> tuple:
+        """What torch.onnx.export traces with: zeros of the graph's static input shapes."""
+        d, T, M = self.dims, self.T, self.M
+        return (torch.zeros(1, T, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                *[torch.zeros(1, d.kv_heads, M, d.head_dim, dtype=self.dtype) for _ in range(2 * d.layers)])
+
+    def dynamic_shapes(self) -> tuple | None:
+        """Symbolic input dims for torch.onnx.export: none, every shape is static."""
+        return None
+
     def forward(self, input_ids, past_len, *past):
         # input_ids: [1, T]; past_len: [1]; past: 2*L tensors [1, KVH, M, D]
         pos = past_len + self.step_pos                                   # [T]
@@ -308,37 +318,38 @@ class _Layer(nn.Module):
         return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def _out(self, o):
-        # attention output [1, T, H*D] -> the residual branch [1, T, C]
+        # attention output [B, T, H*D] -> the residual branch [B, T, C]
         y = self._lin(o, self.o, self.o_b)
         return y if self.attn_out_norm is None else _norm(self.spec, y, self.attn_out_norm, None, self.dims.eps)
 
     def forward(self, x, past_k, past_v, valid, causal, rope):
-        # x: [1, T, C]; past_k/v: [1, KVH, M, D]; valid: [M] (or [G*T, M] in a sliding-window layer) bool;
-        # causal: [G*T, T] bool
+        # x: [B, T, C]; past_k/v: [B, KVH, M, D]; valid: [M] (or [G*T, M] in a sliding-window layer, or per
+        # row [B, 1, 1, M] in a batched graph) bool; causal: [G*T, T] bool
+        # (B and T are Python ints in a static export, so a B=1 graph is exactly the one-row graph)
         d = self.dims
-        T, H, KVH, D, G = x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
-        q, k, v = self._qkv_heads(x, rope)                                       # [1, H, T, D], [1, KVH, T, D]
-        # head h reads kv head h // G (HF repeat_kv order): [1, KVH, G*T, D]
-        qg = (q * self.scale).reshape(1, KVH, G * T, D)
-        s_past = self._cap(qg @ past_k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))  # [1, KVH, G*T, M]
-        s_new = self._cap(qg @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))       # [1, KVH, G*T, T]
+        B, T, H, KVH, D, G = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
+        q, k, v = self._qkv_heads(x, rope)                                       # [B, H, T, D], [B, KVH, T, D]
+        # head h reads kv head h // G (HF repeat_kv order): [B, KVH, G*T, D]
+        qg = (q * self.scale).reshape(B, KVH, G * T, D)
+        s_past = self._cap(qg @ past_k.transpose(-1, -2)).masked_fill(~valid, float("-inf"))  # [B, KVH, G*T, M]
+        s_new = self._cap(qg @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))       # [B, KVH, G*T, T]
         a = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
         M = past_k.shape[2]
-        o = a[..., :M] @ past_v + a[..., M:] @ v                                      # [1, KVH, G*T, D]
-        o = o.reshape(1, H, T, D).transpose(1, 2).reshape(1, T, H * D)
+        o = a[..., :M] @ past_v + a[..., M:] @ v                                      # [B, KVH, G*T, D]
+        o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         return self._mlp(x + self._out(o)), k, v
 
     def forward_gqa(self, x, past_k, past_v, seqlens, total, rope):
-        # x: [1, T, C]; past_k/v: [1, KVH, M, D] (also the present outputs: written in place)
+        # x: [B, T, C]; past_k/v: [B, KVH, M, D] (also the present outputs: written in place)
         d = self.dims
-        T, H, KVH, D = x.shape[1], d.heads, d.kv_heads, d.head_dim
+        B, T, H, KVH, D = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim
         h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
         if self.qk_norm is None:
             q, k, v = self._lin(h, self.qkv, self.qkv_b).split([H * D, KVH * D, KVH * D], dim=-1)
         else:   # normed here, before GroupQueryAttention's rotary (its own q/k norm inputs are CUDA-only)
             qk, v = self._lin(h, self.qkv, self.qkv_b).split([(H + KVH) * D, KVH * D], dim=-1)
-            qk = _norm(self.spec, qk.view(1, T, H + KVH, D), self.qk_norm, None, d.eps)   # [1, T, H+KVH, D]
-            q, k = qk.reshape(1, T, (H + KVH) * D).split([H * D, KVH * D], dim=-1)
+            qk = _norm(self.spec, qk.view(B, T, H + KVH, D), self.qk_norm, None, d.eps)   # [B, T, H+KVH, D]
+            q, k = qk.reshape(B, T, (H + KVH) * D).split([H * D, KVH * D], dim=-1)
         inputs = [q, k, v, past_k, past_v, seqlens, total] + (list(rope) if rope is not None else [])
         attrs = dict(num_heads=H, kv_num_heads=KVH, scale=self.scale, do_rotary=int(rope is not None),
                      rotary_interleaved=0)
@@ -351,32 +362,32 @@ class _Layer(nn.Module):
         o, pk, pv = torch.onnx.ops.symbolic_multi_out(
             "com.microsoft::GroupQueryAttention", inputs, attrs,
             dtypes=(x.dtype, x.dtype, x.dtype),
-            shapes=((1, T, H * D), tuple(past_k.shape), tuple(past_v.shape)), version=1)
+            shapes=((B, T, H * D), tuple(past_k.shape), tuple(past_v.shape)), version=1)
         return self._mlp(x + self._out(o)), pk, pv
 
     def _qkv_heads(self, x, rope):
-        # x: [1, T, C] -> q [1, H, T, D], k/v [1, KVH, T, D], q/k normed, rotary applied
+        # x: [B, T, C] -> q [B, H, T, D], k/v [B, KVH, T, D], q/k normed, rotary applied
         d = self.dims
-        T, H, KVH, D = x.shape[1], d.heads, d.kv_heads, d.head_dim
+        B, T, H, KVH, D = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim
         h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
-        qkv = self._lin(h, self.qkv, self.qkv_b).view(1, T, H + 2 * KVH, D).transpose(1, 2)  # [1, H+2KVH, T, D]
+        qkv = self._lin(h, self.qkv, self.qkv_b).view(B, T, H + 2 * KVH, D).transpose(1, 2)  # [B, H+2KVH, T, D]
         qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
         if self.qk_norm is not None:
             qk = _norm(self.spec, qk, self.qk_norm[:, None, :], None, d.eps)       # per head: [H+KVH, 1, D]
         if rope is not None:
-            cos, sin, rot = rope                                                   # [T, D], [D, D]
+            cos, sin, rot = rope                                       # [T, D] or per row [B, 1, T, D]; [D, D]
             qk = qk * cos + (qk @ rot) * sin                                       # q and k rotated together
         return qk[:, :H], qk[:, H:], v
 
     def forward_standard(self, x, past_k, past_v, past_len, attend, rope):
-        # x: [1, T, C]; past_k/v: [1, KVH, M, D] (present = past with rows past_len.. overwritten)
+        # x: [B, T, C]; past_k/v: [B, KVH, M, D] (present = past with rows past_len[b].. overwritten)
         d = self.dims
-        T, H, D = x.shape[1], d.heads, d.head_dim
+        B, T, H, D = x.shape[0], x.shape[1], d.heads, d.head_dim
         q, k, v = self._qkv_heads(x, rope)
         present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
         o, _, _, _ = torch.onnx.ops.attention(q, present_k, present_v, attend, scale=self.scale,
                                               softcap=float(self.softcap or 0.0))
-        o = o.transpose(1, 2).reshape(1, T, H * D)                                 # [1, H, T, D] -> [1, T, H*D]
+        o = o.transpose(1, 2).reshape(B, T, H * D)                                 # [B, H, T, D] -> [B, T, H*D]
         return self._mlp(x + self._out(o)), present_k, present_v
 
     def _mlp(self, x):
@@ -393,10 +404,11 @@ class _Layer(nn.Module):
 
 
 def _scatter(cache, update, past_len):
-    """ONNX TensorScatter-24: cache [1, KVH, M, D] with rows past_len..past_len+T replaced by
-    update [1, KVH, T, D]. In torch (outside export) an out-of-place index_copy, same result."""
+    """ONNX TensorScatter-24: cache [B, KVH, M, D] with row b's rows past_len[b]..past_len[b]+T
+    replaced by update[b] ([B, KVH, T, D]; write_indices = past_len [B]). In torch (outside
+    export) an out-of-place index_copy per row, same result."""
     if torch.onnx.is_in_onnx_export():
         return torch.onnx.ops.symbolic("TensorScatter", [cache, update, past_len], dict(axis=-2, mode="linear"),
                                        dtype=cache.dtype, shape=cache.shape, version=24)
-    rows = past_len + torch.arange(update.shape[2])
-    return cache.index_copy(2, rows, update)
+    steps = torch.arange(update.shape[2])
+    return torch.stack([cache[b].index_copy(1, past_len[b] + steps, update[b]) for b in range(cache.shape[0])])

@@ -16,6 +16,7 @@ from specrt import manifest as mf
 from specrt.errors import ExportError
 from specrt.export import fuse as fusion
 from specrt.export import weights as wpack
+from specrt.export.batch import DYNAMIC, BatchedDecoder
 from specrt.export.graph import IN_PLACE, StaticDecoder
 from specrt.export.sources import LoadedModel
 
@@ -35,12 +36,17 @@ def graph_tokens(shapes: mf.Shapes) -> dict[str, int]:
     return shapes.windows
 
 
-def build_module(lm: LoadedModel, tokens: int, kv_capacity: int, layers: int | None = None,
-                 attention: str = "portable", precision: str = "fp32", static_total: bool = False) -> StaticDecoder:
+def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: int | None = None,
+                 attention: str = "portable", precision: str = "fp32", static_total: bool = False,
+                 batch: int | str | None = None) -> StaticDecoder:
+    """batch None: today's one-row graph (graph.py). batch an int or "dynamic": the per-row
+    contract of export/batch.py, where tokens may be "dynamic" too."""
     dims = lm.dims if layers is None else _replace_layers(lm.dims, layers)
-    return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, kv_capacity=kv_capacity,
-                         inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling, attention=attention,
-                         dtype=DTYPES[precision], static_total=static_total, local_rope=lm.local_rope).eval()
+    kw = dict(kv_capacity=kv_capacity, inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling,
+              attention=attention, dtype=DTYPES[precision], static_total=static_total, local_rope=lm.local_rope)
+    if batch is None:
+        return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, **kw).eval()
+    return BatchedDecoder(lm.spec, dims, lm.model.state_dict(), batch=batch, tokens=tokens, **kw).eval()
 
 
 def _replace_layers(dims, layers):
@@ -83,9 +89,8 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     """Export one graph to `path` (+ `path`.data). Returns its fusions (export/fuse.py), empty
     where the variant is not fused. Every caller (export_model, the int8-compute decode graph
     of build/gates/rows.py) gets the same graph for the same module."""
-    d, T, M = module.dims, module.T, module.M
-    args = (torch.zeros(1, T, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-            *[torch.zeros(1, d.kv_heads, M, d.head_dim, dtype=module.dtype) for _ in range(2 * d.layers)])
+    d, T = module.dims, module.T
+    args = module.example_inputs()
     inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE)
     quiet = io.StringIO()
     # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar
@@ -94,7 +99,8 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
                 logger_level(EXPORTER_LOGGER, logging.ERROR):
             warnings.simplefilter("ignore")
             torch.onnx.export(module, args, str(path), dynamo=True, opset_version=opset_for(module.attention),
-                              input_names=inputs, output_names=outputs, external_data=True, verbose=False)
+                              input_names=inputs, output_names=outputs, external_data=True, verbose=False,
+                              dynamic_shapes=module.dynamic_shapes())
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed for T={T}: {type(e).__name__}: {e}\n{quiet.getvalue()[-2000:]}") from e
     if not fuses(module):
@@ -118,20 +124,30 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
 
 def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("prefill", "decode", "verify"),
                  layers: int | None = None, attention: str = "portable", precision: str = "fp32",
-                 static_total: bool = False, progress=None) -> dict:
+                 static_total: bool = False, progress=None, batch: int | str | None = None,
+                 tokens: dict[str, int | str] | None = None) -> dict:
     """Export `graphs` of one model into out_dir (graph files + weights.bin). Returns the
     manifest fragment: graphs, weights index, dims.
 
     precision "fp16": weights, activations and KV cache in fp16 (logits fp32; for GPUs).
     static_total (gqa only): total_sequence_length is the constant buffer length, as ONNX
-    Runtime CUDA needs under CUDA-graph capture (see graph.StaticDecoder._forward_gqa)."""
+    Runtime CUDA needs under CUDA-graph capture (see graph.StaticDecoder._forward_gqa).
+    batch: None (default) exports today's one-row graphs; an int (a static bucket) or
+    "dynamic" exports the per-row contract of export/batch.py, recorded as `batch`.
+    tokens: graph name -> T (an int or "dynamic"), instead of the shapes' windows; e.g.
+    {"step": "dynamic"} is one graph for prefill chunks, decode and verify (batched only)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokens = graph_tokens(shapes)
+    if tokens is not None:
+        if batch is None and DYNAMIC in tokens.values():
+            raise ExportError("tokens='dynamic' needs the per-row contract: pass batch=<int> or batch='dynamic'")
+        graphs = tuple(tokens)
+    tokens = tokens or graph_tokens(shapes)
     protos, timings, fused = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="specrt-export-") as tmp:
         for g in graphs:
             t0 = time.perf_counter()
-            module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention, precision, static_total)
+            module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention, precision, static_total,
+                                  batch)
             fused[g] = export_graph(module, Path(tmp) / f"{g}.onnx")
             protos[g] = onnx.load(str(Path(tmp) / f"{g}.onnx"))
             timings[g] = round(time.perf_counter() - t0, 1)
@@ -143,4 +159,5 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
             "kv_update": "in_place" if attention in IN_PLACE else "returned", "precision": precision,
             "kv_dtype": KV_DTYPE[precision],
             **({"total_sequence_length": "static"} if static_total and attention == "gqa" else {}),
+            **({"batch": batch} if batch is not None else {}),
             **({"fusions": fused} if any(fused.values()) else {})}

@@ -1,0 +1,95 @@
+"""Row-wise int8: per-channel int8 weights, and every activation row quantized on its own at
+run time, so a row's result depends on that row alone, bit for bit.
+
+Each MatMul whose B is a constant [K, N] weight becomes:
+
+    x [.., K] ─ Abs ─ ReduceMax(-1) ─ Max(tiny) ─ Mul(1/127) ─ s [.., 1]     one scale per row
+    x ─ Div(s) ─ Round ─ Add(128) ─ Cast(uint8) ─ xq [.., K]                  symmetric, stored as u8 - 128
+    xq, Wq [K, N] int8, s, ws [N] ─ com.microsoft.MatMulIntegerToFloat(a_zero_point=128) ─ y [.., N]
+                                    (y = s * ws * Σ_k (xq - 128) Wq, accumulated in int32)
+
+Why this and not the builds' quantizers (batch invariance, issue 15):
+- the integer sum is exact, so whichever kernel MLAS picks for the call (AMX tiles, AVX-512
+  VNNI, the one-row path) and however many rows share it, each row's output is the same bits:
+  decode (T=1), verify (T=k+1) and any batch agree by construction;
+- `quantize_dynamic` quantizes activations with ONE scale per tensor: a row's result depends
+  on the other rows of the call (its output is neither batch- nor window-invariant);
+- MatMulNBits with int8 compute (accuracy_level 4) rounds one row (M=1) and several rows
+  differently (calibration/rows.py), and its cost grows about linearly with the rows;
+- MLAS's u8 x s8 GEMM runs on AMX tiles where the CPU has them: rows are nearly free
+  (benchmarks/batch_kernels.py measures it).
+The cost: 9 small ops per MatMul instead of 1 (a few microseconds each).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+MS = "com.microsoft"
+OPSET = 18          # ReduceMax with axes as an input
+
+
+def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[K, N] float -> (int8 [K, N], scale [N]): symmetric per output channel, |q| <= 127."""
+    scale = np.abs(w).max(axis=0) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale
+
+
+def quantize_model(model: onnx.ModelProto, exclude: set[str] = frozenset()) -> int:
+    """Rewrite, in place, every MatMul whose B is a 2-D float initializer (and whose name is not
+    in `exclude`) as the pattern of the module docstring. Returns how many were rewritten."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    shared = [numpy_helper.from_array(np.array([-1], np.int64), "rowwise.axes"),
+              numpy_helper.from_array(np.array(1e-30, np.float32), "rowwise.tiny"),
+              numpy_helper.from_array(np.array(1.0 / 127.0, np.float32), "rowwise.inv127"),
+              numpy_helper.from_array(np.array(128.0, np.float32), "rowwise.offset"),
+              numpy_helper.from_array(np.array(128, np.uint8), "rowwise.zero_point")]
+    weights: dict[str, tuple[str, str]] = {}        # fp32 weight -> (int8 weight, scale), once per weight
+    nodes, count = [], 0
+    for n in g.node:
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and n.domain == "" and len(n.input) == 2 else None
+        if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT or n.name in exclude:
+            nodes.append(n)
+            continue
+        if w.name not in weights:
+            q, s = quantize_weight(numpy_helper.to_array(w))
+            g.initializer.extend([numpy_helper.from_array(q, f"{w.name}.int8"),
+                                  numpy_helper.from_array(s, f"{w.name}.scale")])
+            weights[w.name] = (f"{w.name}.int8", f"{w.name}.scale")
+        nodes += _pattern(n, *weights[w.name])
+        count += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    if count:
+        g.initializer.extend(shared)
+        used = {i for n in g.node for i in n.input}
+        keep = [i for i in g.initializer if i.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+        _set_opsets(model)
+    return count
+
+
+def _pattern(n: onnx.NodeProto, wq: str, ws: str) -> list[onnx.NodeProto]:
+    x, y, p = n.input[0], n.output[0], (n.name or n.output[0]) + ".rowwise"
+    return [helper.make_node("Abs", [x], [f"{p}.abs"], name=f"{p}.abs"),
+            helper.make_node("ReduceMax", [f"{p}.abs", "rowwise.axes"], [f"{p}.max"], name=f"{p}.max", keepdims=1),
+            helper.make_node("Max", [f"{p}.max", "rowwise.tiny"], [f"{p}.max1"], name=f"{p}.max1"),
+            helper.make_node("Mul", [f"{p}.max1", "rowwise.inv127"], [f"{p}.scale"], name=f"{p}.scale"),
+            helper.make_node("Div", [x, f"{p}.scale"], [f"{p}.div"], name=f"{p}.div"),
+            helper.make_node("Round", [f"{p}.div"], [f"{p}.round"], name=f"{p}.round"),
+            helper.make_node("Add", [f"{p}.round", "rowwise.offset"], [f"{p}.u"], name=f"{p}.u"),
+            helper.make_node("Cast", [f"{p}.u"], [f"{p}.q"], name=f"{p}.q", to=onnx.TensorProto.UINT8),
+            helper.make_node("MatMulIntegerToFloat", [f"{p}.q", wq, f"{p}.scale", ws, "rowwise.zero_point"], [y],
+                             name=f"{p}.matmul", domain=MS)]
+
+
+def _set_opsets(model: onnx.ModelProto) -> None:
+    have = {o.domain: o for o in model.opset_import}
+    if "" in have and have[""].version < OPSET:
+        have[""].version = OPSET
+    if MS not in have:
+        model.opset_import.append(helper.make_opsetid(MS, 1))

@@ -1,0 +1,153 @@
+"""Graphs with a batch dimension: B sequences in one call, each row at its own position.
+
+The per-row generalisation of graph.py's KV contract (B static or the symbolic dim "batch",
+T static or the symbolic dim "tokens"):
+
+    inputs   input_ids  [B, T] int64
+             past_len   [B]    int64      tokens already in row b's cache
+             past_k_{i} [B, KVH, M, D]    M = kv capacity; row b is sequence b's cache
+             past_v_{i} [B, KVH, M, D]
+    outputs  logits     [B, T, V]  float32
+             present_k_{i}/present_v_{i} [B, KVH, M, D]   "gqa", "standard": the cache, in place
+             new_k_{i}/new_v_{i}         [B, KVH, T, D]   "portable": returned, the caller writes them
+
+Row b's tokens sit at positions past_len[b] .. past_len[b]+T-1; the row attends to its own
+cache rows [0, past_len[b]) and causally within its window, never to another row. A row with
+fewer than T real tokens is padded at its end: the padding writes K/V past the row's length,
+where nothing reads it (as today's padded prefill chunk). At B=1 the inputs and outputs are
+exactly graph.py's one-row contract.
+
+Per variant, what carries the rows' lengths:
+- "gqa": GroupQueryAttention's seqlens_k [B] int32 = past_len + T - 1 (row b's total length
+  minus one) and total_sequence_length = max_b past_len[b] + T (or the constant M with
+  static_total, for CUDA-graph capture); rotary positions come from seqlens_k per row.
+- "standard": TensorScatter's write_indices = past_len [B] (row b's new K/V at its own
+  offset) and an Attention mask [B, 1, T, M]: j <= past_len[b] + t.
+- "portable": a cache mask [B, 1, 1, M]: j < past_len[b], and the causal mask of the window.
+
+    past_len [B] ─┬─ + arange(T) ─ pos [B, T] ─ rotary / learned positions / masks
+                  └─ (gqa) + T - 1 ─ seqlens_k [B] int32;  max + T ─ total_sequence_length
+"""
+from __future__ import annotations
+
+import torch
+
+from specrt.errors import ExportError
+from specrt.export.graph import StaticDecoder
+from specrt.export.rotary import cos_sin
+
+DYNAMIC = "dynamic"
+BATCH_DIM, TOKENS_DIM = "batch", "tokens"     # the ONNX names of the symbolic dims
+# example sizes the exporter traces a symbolic dim with: >= 2 (torch.export specialises 0 and 1)
+# and different from each other, so no guard can tie B to T
+TRACE_BATCH, TRACE_TOKENS = 2, 3
+
+
+class BatchedDecoder(StaticDecoder):
+    """StaticDecoder over [B, T] ids with per-row past lengths.
+
+    batch: an int (static B, the GPU buckets) or "dynamic" (symbolic "batch", ONNX Runtime CPU).
+    tokens: an int (static T) or "dynamic" (symbolic "tokens": one graph for prefill chunks,
+    decode and verify windows)."""
+
+    def __init__(self, spec, dims, sd, *, batch: int | str, tokens: int | str, kv_capacity: int, **kw):
+        for name, v in (("batch", batch), ("tokens", tokens)):
+            assert v == DYNAMIC or (isinstance(v, int) and v >= 1), (name, v)
+        super().__init__(spec, dims, sd, tokens=tokens if tokens != DYNAMIC else TRACE_TOKENS,
+                         kv_capacity=kv_capacity, **kw)
+        if any(layer.window is not None for layer in self.layers):
+            raise ExportError("the model has sliding-window layers, which the batched graphs do not export yet "
+                              "(the one-row graphs do): serve it without --max-num-seqs, or build with a "
+                              "--max-context no longer than its window")
+        self.B, self.T = batch, tokens
+        del self.causal, self.step_pos      # built in the graph from T (which may be symbolic)
+
+    def example_inputs(self) -> tuple:
+        d = self.dims
+        B = TRACE_BATCH if self.B == DYNAMIC else self.B
+        T = TRACE_TOKENS if self.T == DYNAMIC else self.T
+        return (torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                *[torch.zeros(B, d.kv_heads, self.M, d.head_dim, dtype=self.dtype) for _ in range(2 * d.layers)])
+
+    def dynamic_shapes(self) -> tuple | None:
+        """input_ids {0: batch, 1: tokens}, past_len {0: batch}, caches {0: batch}: named
+        dims, so the ONNX graph's inputs and outputs read [batch, tokens] / [batch, 3, M, 64]."""
+        b = {0: BATCH_DIM} if self.B == DYNAMIC else {}
+        t = {1: TOKENS_DIM} if self.T == DYNAMIC else {}
+        if not b and not t:
+            return None
+        # structured as forward's parameters: input_ids, past_len, then *past as one tuple
+        return ({**b, **t}, dict(b), tuple(dict(b) for _ in range(2 * self.dims.layers)))
+
+    def forward(self, input_ids, past_len, *past):
+        # input_ids: [B, T]; past_len: [B]; past: 2*L tensors [B, KVH, M, D]
+        B, T = input_ids.shape
+        pos = past_len[:, None] + torch.arange(T)[None, :]                    # [B, T]
+        x = self._embed(input_ids, pos)                                       # [B, T, C]
+        if self.attention == "gqa":
+            return self._rows_gqa(x, past_len, T, past)
+        ropes = self._ropes_rows(pos)
+        if self.attention == "standard":
+            attend = (self.cache_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)   # [B, 1, T, M]
+            present = []
+            for i, layer in enumerate(self.layers):
+                x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend,
+                                                 ropes[layer.rotary])
+                present += [k, v]
+            return (self._head(x), *present)
+        valid = (self.cache_pos[None, :] < past_len[:, None]).reshape(B, 1, 1, self.M)   # [B, 1, 1, M]
+        steps = torch.arange(T)
+        causal = (steps[None, :] <= steps[:, None]).repeat(self.dims.group, 1)   # [G*T, T]: query group-major
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, causal, ropes[layer.rotary])
+            new_kv += [k, v]
+        return (self._head(x), *new_kv)
+
+    def _embed(self, input_ids, pos):
+        # [B, T] ids -> [B, T, C]; a tied model gathers columns of the [C, V] head
+        B, T = input_ids.shape
+        if self.embed is None:
+            x = self.lm_head[:, input_ids.reshape(-1)].t().reshape(B, T, -1)
+        else:
+            x = self.embed[input_ids]
+        if self.dims.embed_scale != 1.0:     # Gemma: sqrt(hidden), after the gather
+            x = x * self.dims.embed_scale
+        if self.spec.positions == "learned":
+            # padded rows may run past the table; they are never read
+            x = x + self.pos_embed[pos.clamp(max=self.dims.max_positions - 1)]
+        return x
+
+    def _ropes_rows(self, pos) -> dict:
+        # pos [B, T] -> per rotary kind (graph.py's _ropes): cos, sin [B, 1, T, D] (broadcast over
+        # heads), the rotate-half matrix [D, D]; "none": layers without rotary
+        ropes = {"none": None}
+        if self.spec.positions != "rope":
+            return ropes
+        B, T = pos.shape
+        tables = {"global": (self.inv_freq, self.rope_scale)}
+        if hasattr(self, "inv_freq_local"):
+            tables["local"] = (self.inv_freq_local, self.rope_scale_local)
+        for kind, (inv_freq, scale) in tables.items():
+            cos, sin = cos_sin(pos.reshape(-1), inv_freq, scale, self.dims.head_dim)     # [B*T, D]
+            ropes[kind] = (cos.reshape(B, 1, T, -1).to(self.dtype), sin.reshape(B, 1, T, -1).to(self.dtype),
+                           self.rot)
+        return ropes
+
+    def _rows_gqa(self, x, past_len, T, past):
+        if not torch.onnx.is_in_onnx_export():
+            raise RuntimeError("attention='gqa' exists only as an ONNX Runtime graph; use 'portable' in torch")
+        seqlens = (past_len + (T - 1)).to(torch.int32)                           # [B]: row b's total - 1
+        total = (past_len.max() + T).to(torch.int32)                             # []: the longest row's total
+        if self.static_total:
+            total = torch.tensor(self.M, dtype=torch.int32)   # see StaticDecoder._forward_gqa
+        tables = {"none": None}
+        if self.spec.positions == "rope":
+            tables["global"] = (self.cos_cache, self.sin_cache)
+            if hasattr(self, "cos_cache_local"):
+                tables["local"] = (self.cos_cache_local, self.sin_cache_local)
+        present = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.forward_gqa(x, past[2 * i], past[2 * i + 1], seqlens, total, tables[layer.rotary])
+            present += [k, v]
+        return (self._head(x), *present)
