@@ -55,7 +55,7 @@ $(ENGINES)-int8/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 
 engines-int4: $(ENGINES)-int4/manifest.json
 $(ENGINES)-int4/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
-	$(BIN)/specrt build --preset smollm2 --precision int4 --out $(ENGINES)-int4
+	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --out $(ENGINES)-int4
 
 bench-precision: engines engines-int8 engines-int4
 	$(BIN)/specrt bench $(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4 --prompts 8 --max-new-tokens 128 --lookup 2

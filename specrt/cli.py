@@ -26,7 +26,7 @@ def cmd_build(a) -> int:
                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention, backend=a.backend,
                      measure_costs=a.measure_costs, draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
                      precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
-                     quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head])
+                     quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head], batch=a.batch)
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
@@ -118,7 +118,8 @@ def cmd_serve(a) -> int:
     except ModuleNotFoundError as e:
         raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing): "
                           "pip install 'specrt[serve]'") from None
-    return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, queue_size=a.queue_size,
+    return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, max_num_seqs=a.max_num_seqs,
+                             queue_size=a.queue_size,
                              timeout=a.timeout, memory=a.memory, threads=a.threads, model_name=a.model_name,
                              log_level="info" if a.verbose else "warning",
                              api_key=a.api_key if a.api_key is not None else os.environ.get("SPECRT_API_KEY"),
@@ -189,6 +190,10 @@ def main(argv=None) -> int:
     b.add_argument("--no-measure-costs", dest="measure_costs", action="store_false", default=None,
                    help="do not time the built graphs: no speculation plan in the manifest, so generation uses a "
                         "fixed k (adaptive k needs the measured costs); the manifest then has no timings")
+    b.add_argument("--batch", action="store_true", default=None,
+                   help="also export the target with a batch dimension, so that `specrt serve --max-num-seqs N` "
+                        "decodes many requests at once on one copy of the weights (ort-cpu; adds one graph and "
+                        "a copy of the weights on disk)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")
@@ -267,6 +272,9 @@ def main(argv=None) -> int:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
     sv.add_argument("--workers", type=int, default=1, help="generations at once; each loads its own engines")
+    sv.add_argument("--max-num-seqs", type=int, metavar="N",
+                    help="one batched engine decodes up to N requests at once on one copy of the weights (engines "
+                         "built with `specrt build --batch`); instead of --workers")
     sv.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a worker (then 429)")
     sv.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queueing included")
     sv.add_argument("--memory", choices=("fast", "shared"), default="fast",

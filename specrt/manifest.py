@@ -64,11 +64,15 @@ class GraphEntry:
     tokens: int             # static T
     sha256: str
     engine: dict | None = None   # TensorRT builds: {"file": "<role>/<graph>.plan", "sha256", "bytes"}
+    # graphs of the batched engine (the "batch" model, export/batch.py): "dynamic" = a symbolic
+    # row count; dynamic_tokens: T is symbolic too (`tokens` is then 1, the smallest call)
+    batch: str | None = None
+    dynamic_tokens: bool = False
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    role: str                       # "target" | "draft"
+    role: str                       # "target" | "draft" | "batch" (the target with a batch dimension)
     family: str
     precision: str                  # "fp32" | "int8-dynamic" | ...
     dims: dict                      # layers, hidden, heads, kv_heads, head_dim, vocab, ...
@@ -121,6 +125,11 @@ class Manifest:
     def draft(self) -> ModelEntry | None:
         return self.models.get("draft")
 
+    @property
+    def batch(self) -> ModelEntry | None:
+        """The target with a batch dimension (`specrt build --batch`), for the batched engine."""
+        return self.models.get("batch")
+
     # --- io ---------------------------------------------------------------------------
     def to_json(self) -> str:
         raw = asdict(self)
@@ -129,8 +138,9 @@ class Manifest:
                 del raw[key]
         for m in raw["models"].values():
             for g in m["graphs"].values():
-                if g["engine"] is None:
-                    del g["engine"]
+                for key, default in (("engine", None), ("batch", None), ("dynamic_tokens", False)):
+                    if g[key] == default:
+                        del g[key]
         return json.dumps(raw, indent=2, sort_keys=False)
 
     def save(self, directory: Path) -> Path:
@@ -196,7 +206,7 @@ def load(directory: str | Path) -> Manifest:
             if g in window and e.tokens != window[g] and not wide_decode:
                 raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "
                                     "(inconsistent manifest): rebuild the engines")
-        need = REQUIRED_GRAPHS[role if role == "target" else ("shared" if m.shares_cache_with else "own")]
+        need = REQUIRED_GRAPHS[role if role in ("target", "batch") else ("shared" if m.shares_cache_with else "own")]
         missing = [g for g in need if g not in m.graphs]
         if missing:
             raise ManifestError(f"{path}: the {role} model has no {', '.join(missing)} graph (it needs "
@@ -212,7 +222,9 @@ DECODE_PAIR_ROWS = 2    # the widest decode graph a target may have (T=2: plain 
 
 # graphs each model needs: the target always has all three (plain and speculative use
 # them); a draft that reads the target's cache only steps, a draft with its own prefills
-REQUIRED_GRAPHS = {"target": ("prefill", "decode", "verify"), "shared": ("decode",), "own": ("prefill", "decode")}
+REQUIRED_GRAPHS = {"target": ("prefill", "decode", "verify"), "shared": ("decode",), "own": ("prefill", "decode"),
+                   "batch": ("step",)}   # one graph, [rows, T] ids, for prefill chunks and decode steps
+ROLES = ("target", "draft", "batch")
 _DICT_FIELDS = ("shapes", "models", "tokenizer", "device", "tools")
 _MODEL_DICT_FIELDS = ("dims", "graphs", "weights", "source", "kv")
 HW_COMPAT_LEVELS = ("none", "ampere_plus", "same_compute_capability")   # engines.hardware_compatibility_level
@@ -231,8 +243,8 @@ def _check_structure(raw: dict) -> None:
     if bad:
         raise TypeError(f"device.{bad[0]} must be a string")
     for role, m in raw["models"].items():
-        if role not in ("target", "draft") or not isinstance(m, dict):
-            raise TypeError(f"models.{role} must be an object named target or draft")
+        if role not in ROLES or not isinstance(m, dict):
+            raise TypeError(f"models.{role} must be an object named target, draft or batch")
         for name in _MODEL_DICT_FIELDS:
             if not isinstance(m.get(name), dict):
                 raise TypeError(f"models.{role}.{name} must be an object, got {type(m.get(name)).__name__}")
@@ -241,6 +253,11 @@ def _check_structure(raw: dict) -> None:
                 raise TypeError(f"models.{role}.graphs.{g} must have a string file and a positive integer tokens")
             if e.get("engine") is not None:
                 _check_engine_file(f"models.{role}.graphs.{g}.engine", e["engine"])
+            if e.get("batch") not in (None, "dynamic") or not isinstance(e.get("dynamic_tokens", False), bool):
+                raise ValueError(f"models.{role}.graphs.{g}: batch={e.get('batch')!r} (expected \"dynamic\" or "
+                                 f"absent) or dynamic_tokens={e.get('dynamic_tokens')!r} (expected true/false)")
+        if role == "batch" and any(e.get("batch") != "dynamic" for e in m["graphs"].values()):
+            raise ValueError("models.batch: every graph of the batched model needs batch=\"dynamic\"")
         for key in ("layers", "kv_heads", "head_dim", "vocab"):
             v = m["dims"].get(key)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:

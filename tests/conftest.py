@@ -93,6 +93,15 @@ def tiny_int4_engines(tmp_path_factory, tiny_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_engines(tmp_path_factory, tiny_pair) -> Path:
+    """The tiny target quantized to int4 with its batched copy (`specrt build --batch`: one
+    graph with a symbolic row count, GroupQueryAttention) and no draft."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch", lambda d: build_tiny(d / "batch", target, "none", precision="int4",
+                                                                     block_size=16, batch=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair

@@ -97,6 +97,10 @@ class BuildConfig:
     # own greedy text on the calibration prompts and ship its n-gram table (build/gates/ngrams.py),
     # the pair rounds' guesses where prompt lookup has none; 0 = no table
     ngram_tokens: int = 8192
+    # also export the target with a batch dimension (export/batch.py: one graph, [rows, T] ids,
+    # per-row positions), the model `specrt serve --max-num-seqs N` batches many requests on;
+    # ort-cpu only for now (the GPU buckets are not built yet)
+    batch: bool = False
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -125,6 +129,9 @@ class BuildConfig:
             raise SpecrtError(f"draft={self.draft!r}: N must be a positive integer")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.batch and self.backend not in ("ort-cpu", "auto"):
+            raise ConfigError(f"--batch with --backend {self.backend}: the batched graphs are built for ONNX Runtime "
+                              "CPU only so far (the GPU's static row buckets are not built yet): leave --batch out")
         if self.backend != "auto":
             self._check_backend(BACKEND_SPECS[self.backend], kind)
             self._check_draft_vocab(kind or BACKEND_SPECS[self.backend].draft)

@@ -37,7 +37,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     shapes, kind = cfg.shapes, cfg.draft_kind
     n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
     table = bool(cfg.ngram_tokens) and cfg.precision != "fp32"   # a two-row decode graph (checked below)
-    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None) + table, desc="build", unit="step",
+    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None) + table + cfg.batch, desc="build", unit="step",
                disable=not progress)
     t_start = time.perf_counter()
 
@@ -69,6 +69,12 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
                 kv=steps.kv(cfg, None))
     parts = {"target": part}
     step("target parity checked")
+    if cfg.batch:     # the target with a batch dimension, for `specrt serve --max-num-seqs`
+        from specrt.build.gates import batch
+        bar.set_postfix_str("exporting the batched target")
+        parts["batch"] = batch.export(cfg, tgt, tmp, part, prompts)
+        inv = parts["batch"]["parity"]["batch_invariance"]
+        step(f"batched target: rows alone = together over {inv['rows']} rows x {inv['steps']} steps")
 
     if kind in ("int8", "int8-dynamic"):
         method = "blockwise" if kind == "int8" else "dynamic"

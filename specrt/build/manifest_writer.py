@@ -26,7 +26,9 @@ def tool_versions() -> dict:
 
 
 def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
-    graphs = {g: mf.GraphEntry(file=f"{subdir}/{e['file']}", tokens=e["tokens"], sha256=e["sha256"])
+    # a graph with a symbolic T (the batched model's) is recorded as tokens=1 + dynamic_tokens
+    graphs = {g: mf.GraphEntry(file=f"{subdir}/{e['file']}", tokens=1 if e["tokens"] == "dynamic" else e["tokens"],
+                               sha256=e["sha256"], batch=part.get("batch"), dynamic_tokens=e["tokens"] == "dynamic")
               for g, e in part["graphs"].items()}
     weights = {**part["weights"], "file": f"{subdir}/{part['weights']['file']}"}
     io = {**mf.IO_NAMES, "dtypes": {"input_ids": "int64", "past_len": "int64", "logits": "float32",

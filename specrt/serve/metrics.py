@@ -73,6 +73,25 @@ class ServerMetrics:
         self.queue_depth.set_function(queued)
         self.workers_busy.set_function(busy)
 
+    def watch_batch(self, stats: Callable[[], object]) -> None:
+        """The batched engine's gauges (`specrt serve --max-num-seqs`): stats() -> its EngineStats
+        (runtime/batch/engine.py) or None before it loads."""
+        r, label = self.registry, {"model": self.model}
+
+        def read(fn):
+            return lambda: (fn(s) if (s := stats()) is not None else 0)
+
+        Gauge("specrt_batch_occupancy", "Mean running rows per batched step since the server started", ["model"],
+              registry=r).labels(**label).set_function(read(lambda s: s.occupancy))
+        Gauge("specrt_batch_steps", "Batched steps run since the server started", ["model"],
+              registry=r).labels(**label).set_function(read(lambda s: s.steps))
+        Gauge("specrt_batch_prefill_chunks", "Prompt chunks prefilled since the server started", ["model"],
+              registry=r).labels(**label).set_function(read(lambda s: s.prefill_chunks))
+        choice = Gauge("specrt_batch_step_choice", "Batched steps by the kind chosen (plain, pair, lookup, draft)",
+                       ["model", "kind"], registry=r)
+        for kind in ("plain", "pair", "lookup", "draft"):
+            choice.labels(model=self.model, kind=kind).set_function(read(lambda s, k=kind: s.choices.get(k, 0)))
+
     def count(self, endpoint: str, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
         self.requests.labels(model=self.model, endpoint=endpoint, outcome=outcome).inc()

@@ -30,6 +30,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000                # 0: any free port (printed at start)
     workers: int = 1                # each loads its own generator (memory: see README "Serving")
+    # one batched engine for up to N requests at once (one copy of the weights; engines built
+    # with --batch), instead of `workers` one-request copies
+    max_num_seqs: int | None = None
     queue_size: int = 8             # requests that may wait for a worker before 429
     timeout: float = 300.0          # seconds from arrival to the last token
     memory: str = "fast"            # "fast" | "shared", passed to every worker's generator
@@ -48,6 +51,12 @@ class ServeConfig:
     def __post_init__(self):
         if self.workers < 1:
             raise ServeConfigError(f"--workers {self.workers}: give at least 1")
+        if self.max_num_seqs is not None:
+            if not 1 <= self.max_num_seqs <= 256:
+                raise ServeConfigError(f"--max-num-seqs {self.max_num_seqs}: give a number of rows in [1, 256]")
+            if self.workers != 1:
+                raise ServeConfigError("--max-num-seqs runs one batched engine for every request: leave --workers "
+                                       "out (it sets the number of one-request engine copies)")
         if self.queue_size < 0:
             raise ServeConfigError(f"--queue-size {self.queue_size}: give 0 (no waiting) or more")
         if not self.timeout > 0:
@@ -69,15 +78,27 @@ class ServeConfig:
         return self.model_name or Path(self.engines).resolve().name
 
 
-def build_app(cfg: ServeConfig, factory: Callable = load_generator):
+def build_app(cfg: ServeConfig, factory: Callable | None = None):
     """The app and its (not yet started) pool. `factory(engines, memory=, threads=)` makes
-    one worker's generator; tests wrap it."""
+    one worker's generator (with --max-num-seqs: `factory(engines, max_num_seqs=, threads=)`
+    the batched generator); tests wrap it."""
     from specrt.serve.app import create_app
     man = mf.load(cfg.engines)
     name = cfg.served_name
     metrics = ServerMetrics(name)
-    pool = EnginePool(cfg.engines, workers=cfg.workers, queue_size=cfg.queue_size, memory=cfg.memory,
-                      threads=cfg.threads, factory=factory, on_generation=metrics.record_generation)
+    if cfg.max_num_seqs is not None:
+        from specrt.runtime.batch.generator import open_batch
+        from specrt.serve.batched import BatchPool
+        if man.batch is None:
+            raise ServeConfigError(f"--max-num-seqs: {cfg.engines} has no batched model; rebuild it with `specrt build "
+                                   "... --batch`, or serve it with --workers N (one request per engine copy)")
+        pool = BatchPool(cfg.engines, max_num_seqs=cfg.max_num_seqs, queue_size=cfg.queue_size, threads=cfg.threads,
+                         factory=factory or open_batch, on_generation=metrics.record_generation)
+        metrics.watch_batch(lambda: pool.stats)
+    else:
+        pool = EnginePool(cfg.engines, workers=cfg.workers, queue_size=cfg.queue_size, memory=cfg.memory,
+                          threads=cfg.threads, factory=factory or load_generator,
+                          on_generation=metrics.record_generation)
     validator = Validator(Tokenizer(Path(cfg.engines), man.tokenizer), max_context=man.shapes.max_context,
                           vocab=int(man.target.dims["vocab"]), model_name=name)
     app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,
@@ -127,7 +148,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(cfg: ServeConfig, out=print, factory: Callable = load_generator) -> int:
+def serve(cfg: ServeConfig, out=print, factory: Callable | None = None) -> int:
     import uvicorn
     app, pool = build_app(cfg, factory)
     sock = bind(cfg.host, cfg.port)     # first: a busy port fails in a second, not after loading
@@ -138,9 +159,11 @@ def serve(cfg: ServeConfig, out=print, factory: Callable = load_generator) -> in
         raise
     host, port = sock.getsockname()[:2]
     per = ", ".join(f"{w.load_mib:.0f}" for w in pool.info)
-    out(f"specrt: serving {cfg.served_name!r} ({pool.method}) on http://{host}:{port}/v1 | {cfg.workers} "
-        f"worker(s), memory {cfg.memory}: +{per} MiB each, RSS {rss_mib():.0f} MiB | queue {cfg.queue_size} | "
-        f"timeout {cfg.timeout:g} s | API key {'required' if cfg.api_key else 'none'}")
+    engines = (f"one batched engine, max-num-seqs {cfg.max_num_seqs}: +{per} MiB" if cfg.max_num_seqs else
+               f"{cfg.workers} worker(s), memory {cfg.memory}: +{per} MiB each")
+    out(f"specrt: serving {cfg.served_name!r} ({pool.method}) on http://{host}:{port}/v1 | {engines}, RSS "
+        f"{rss_mib():.0f} MiB | queue {cfg.queue_size} | timeout {cfg.timeout:g} s | API key "
+        f"{'required' if cfg.api_key else 'none'}")
     sys.stdout.flush()
     server = uvicorn.Server(uvicorn_config(app, cfg))
     # uvicorn re-raises SIGTERM after its graceful shutdown; with this handler in place

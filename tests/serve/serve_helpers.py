@@ -26,7 +26,7 @@ def wait_for(cond, what: str, timeout: float = WAIT_S):
 
 
 class LiveServer:
-    def __init__(self, engines, factory=load_generator, **cfg):
+    def __init__(self, engines, factory=None, **cfg):
         self.cfg = ServeConfig(str(engines), port=0, **cfg)
         self.app, self.pool = build_app(self.cfg, factory)
         self.pool.start()

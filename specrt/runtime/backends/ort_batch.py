@@ -26,6 +26,9 @@ from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
 
 
+ALIASES = ("prefill", "decode", "verify")     # the engine's graph names, all served by "step"
+
+
 class BatchKV:
     """The KV cache of `rows` sequences: keys[i], values[i]: [rows, KVH, capacity, D]."""
 
@@ -64,8 +67,13 @@ class OrtBatchModel:
                                       DTYPES[dt["kv"]])
         check_weights_file(root, entry)
         names = graphs or tuple(entry.graphs)
+        # the batched model of `specrt build --batch` has one graph, "step", with a symbolic T: it
+        # serves the engine's prefill chunks, decode steps and verify windows alike
+        alias = {g: "step" for g in ALIASES} if set(names) == {"step"} else {}
         self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
                              else 0 for g in names}
+        self.graph_tokens.update({a: self.graph_tokens[s] for a, s in alias.items()})
+
         # kernels whose one-row path rounds differently from their multi-row path (MatMulNBits with int8
         # compute) must never see a one-row call: the manifest says so (build/gates/rows.py)
         self.min_rows = int(min_rows if min_rows is not None else entry.io.get("min_rows", 1))
@@ -73,10 +81,14 @@ class OrtBatchModel:
         self.io = entry.io
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._file_of = {g: entry.graphs[g].file for g in names}
+        self._file_of.update({a: self._file_of[s] for a, s in alias.items()})
         for g in names:
             f = self._file_of[g]
             if f not in self._sessions:
                 self._sessions[f] = _session(root / f, threads)
+        # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
+        # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
+        self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
         t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2)
         V = int(d["vocab"])
         self._ids = np.zeros(rows * t_max, DTYPES[dt["input_ids"]])
@@ -88,8 +100,18 @@ class OrtBatchModel:
         self._vocab, self._kvh, self._hd = V, kvh, hd
         self._bindings: dict[tuple, tuple] = {}
 
+    @staticmethod
+    def _attention(root: Path, entry: ModelEntry) -> str:
+        """The graphs' attention variant, read off the graph: "gqa" when it has GroupQueryAttention."""
+        g = next(iter(entry.graphs.values()))
+        model = onnx.load(str(root / g.file), load_external_data=False)
+        return "gqa" if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) else "other"
+
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
         n, T = tokens.shape
+        if self.multi_token_rows is not None and T > 1 and n > self.multi_token_rows:
+            raise BackendError(f"{n} rows of {T} tokens in one call: these GroupQueryAttention graphs run several "
+                               f"tokens per row for at most {self.multi_token_rows} row(s) on the CPU")
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
         assert first_row + n <= self.rows, (first_row, n, self.rows)
         static = self.graph_tokens[graph]
@@ -109,7 +131,7 @@ class OrtBatchModel:
     def _binding(self, graph: str, first_row: int, n: int, T: int):
         key = (self._file_of[graph], first_row, n, T)
         if key in self._bindings:
-            return self._bindings[key]
+            return self._bindings[key][:5]
         sess, io = self._sessions[key[0]], self.io
         ids = self._ids[:n * T].reshape(n, T)
         past = self._past[:n]

@@ -167,3 +167,42 @@ class BatchGenerator:
                         self._wake.wait(0.05)        # wake for new requests; deadlines are checked each step
                     elif not eng.rows and eng.pending is None:
                         time.sleep(0.001)
+
+
+def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: int | None = None,
+               verify: str = "full") -> BatchGenerator:
+    """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
+    model: the target with a batch dimension). One copy of the weights serves up to
+    `max_num_seqs` requests at once; each step decodes one token for every running row
+    (plain steps: see the README "Serving many requests" for why the CPU engine does not
+    speculate inside a batch) and prefills one chunk of the next request."""
+    from pathlib import Path
+
+    from specrt import manifest as mf
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    from specrt.runtime.batch.policy import BatchPolicy
+    from specrt.runtime.tokenizer import Tokenizer
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or not 1 <= max_num_seqs <= 256:
+        raise ConfigError(f"max_num_seqs={max_num_seqs!r}: give an integer in [1, 256]")
+    if verify not in mf.VERIFY_MODES:
+        raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
+    root = Path(engines)
+    man = mf.load(root)
+    mf.check_files(man, root)
+    entry = man.batch
+    if entry is None:
+        raise ConfigError(f"{root} has no batched model: rebuild it with `specrt build ... --batch` to serve many "
+                          "requests on one engine, or serve it with --workers N (one request per engine copy)")
+    inv = entry.parity.get("batch_invariance") or {}
+    if inv.get("equal") is not True:
+        raise ConfigError(f"{root}: the build did not show that the batched graph computes each row independently of "
+                          "the others (manifest models.batch.parity.batch_invariance): rebuild with this specrt")
+    check = mf.HashCheck(man, root) if verify == "full" else None
+    model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("step",), threads=threads)
+    if check is not None:
+        check.result()
+    tok = Tokenizer(root, man.tokenizer)
+    engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
+                         prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
+                         vocab=int(entry.dims["vocab"]), policy=BatchPolicy(None, man.shapes.k), tokenizer=tok)
+    return BatchGenerator(engine, tok, max_queue=max_queue)

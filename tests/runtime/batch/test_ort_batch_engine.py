@@ -1,0 +1,131 @@
+"""The batched engine on real graphs: a tiny int4 target built with `--batch` (one ONNX
+graph with a symbolic row count, GroupQueryAttention, MatMulNBits), through ONNX Runtime.
+
+What a request gets must not depend on what else runs: greedy tokens equal the request run
+alone and equal the one-stream runtime's plain decoding; a seeded sample is the same in any
+batch; rows join and leave mid-generation (more requests than rows), stop on strings, or
+are cancelled, and the others do not notice.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from specrt.errors import ConfigError, ManifestError
+from specrt.runtime import SpeculativeGenerator
+from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.sampling import SamplingParams
+
+PROMPTS = ["hello there", "a b c d e f g h i j k l m n o p q r s t u v w x y z and then some more words",
+           "the quick brown fox", "x", "one two three four five six seven eight nine ten eleven twelve",
+           "to be or not to be", "a"]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_batch_engines):
+    g = open_batch(tiny_batch_engines, max_num_seqs=3)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def alone(gen):
+    """Each prompt with the engine to itself (one row)."""
+    return [gen.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS]
+
+
+def test_the_build_records_the_batched_graph_and_its_invariance(tiny_batch_engines):
+    man = json.loads((tiny_batch_engines / "manifest.json").read_text())
+    b = man["models"]["batch"]
+    assert list(b["graphs"]) == ["step"]
+    assert b["graphs"]["step"]["batch"] == "dynamic" and b["graphs"]["step"]["dynamic_tokens"] is True
+    inv = b["parity"]["batch_invariance"]
+    assert inv["equal"] is True and inv["max_abs_logit_delta"] == 0.0 and inv["rows"] >= 2
+
+
+def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alone, tiny_batch_engines):
+    # 7 requests on 3 rows: rows fill, finish at different steps (different prompt lengths and
+    # EOS), and waiting requests join mid-generation
+    st = gen.engine.stats
+    steps, rows = st.steps, st.row_steps
+    together = [c.tokens for c in gen.generate_batch(PROMPTS, max_new_tokens=NEW)]
+    assert together == alone
+    assert (st.row_steps - rows) / (st.steps - steps) > 2.0     # the rows really shared steps
+    one = SpeculativeGenerator(tiny_batch_engines, methods=("plain",))
+    assert [one.generate(p, max_new_tokens=NEW, method="plain").tokens for p in PROMPTS] == alone
+
+
+def test_rows_with_stop_strings_and_cancelled_rows_leave_the_others_unchanged(gen, alone):
+    text0 = gen.tokenizer.decode(alone[0])
+    stop = text0[len(text0) // 2:len(text0) // 2 + 2]
+    handles = [gen.submit(p, max_new_tokens=NEW, stop=[stop] if i == 0 else ()) for i, p in enumerate(PROMPTS)]
+    cancelled = handles[2]
+    first = next(cancelled.chunks())         # it has a row and has emitted
+    assert first.tokens
+    cancelled.cancel()
+    out = [h.result() if h is not cancelled else None for h in handles]
+    assert out[0].finish_reason == "stop" and stop not in out[0].text
+    assert all(out[i].tokens == alone[i] for i in range(len(PROMPTS)) if i not in (0, 2))
+    for _ in cancelled.events():             # drains to its Done
+        pass
+    assert cancelled.done.finish_reason == "cancelled" and cancelled.done.completion_tokens < NEW
+
+
+def test_a_seeded_sample_is_the_same_whatever_else_is_in_the_batch(gen):
+    hot = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    solo = gen.generate(PROMPTS[2], max_new_tokens=NEW, sampling=hot).tokens
+    others = [gen.submit(p, max_new_tokens=NEW, sampling=SamplingParams(temperature=0.7, seed=i))
+              for i, p in enumerate(PROMPTS[3:])]
+    mixed = gen.submit(PROMPTS[2], max_new_tokens=NEW, sampling=hot)
+    assert mixed.result().tokens == solo
+    for h in others:
+        h.result()
+    unseeded = {tuple(gen.generate(PROMPTS[2], max_new_tokens=NEW, sampling=SamplingParams(temperature=1.0)).tokens)
+                for _ in range(3)}
+    assert len(unseeded) > 1                 # sampling really samples
+
+
+def test_requests_from_many_threads(gen, alone):
+    out = [None] * len(PROMPTS)
+
+    def one(i):
+        out[i] = gen.generate(PROMPTS[i], max_new_tokens=NEW).tokens
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == alone
+
+
+def test_engines_without_a_batched_model_are_refused_with_the_fix(tiny_int4_engines):
+    with pytest.raises(ConfigError, match="--batch"):
+        open_batch(tiny_int4_engines)
+
+
+def test_a_manifest_that_does_not_show_invariance_is_refused(tiny_batch_engines, tmp_path):
+    import shutil
+    copy = tmp_path / "e"
+    shutil.copytree(tiny_batch_engines, copy)
+    man = json.loads((copy / "manifest.json").read_text())
+    man["models"]["batch"]["parity"]["batch_invariance"]["equal"] = False
+    (copy / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ConfigError, match="independently"):
+        open_batch(copy)
+    man["models"]["batch"]["graphs"]["step"]["batch"] = "sometimes"
+    (copy / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ManifestError, match="batch"):
+        open_batch(copy)
+
+
+def test_the_model_refuses_several_tokens_in_several_gqa_rows(gen):
+    from specrt.errors import BackendError
+    m = gen.engine.target
+    assert m.multi_token_rows == 1
+    with pytest.raises(BackendError, match="GroupQueryAttention"):
+        m.step("step", np.zeros((2, 2), np.int64), np.zeros(2, np.int64), 0)
