@@ -32,14 +32,16 @@ def main(argv: list[str] | None = None) -> int:
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
             temperature=args.temperature, stream=True, stream_options={"include_usage": True})
-        finish = None
+        finish, usage = None, None
         for chunk in stream:
             if chunk.choices:
                 print(chunk.choices[0].delta.content or "", end="", flush=True)
                 finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage:       # the last chunk, asked for by include_usage
-                print(f"\n{model}: {chunk.usage.prompt_tokens} prompt tokens, "
-                      f"{chunk.usage.completion_tokens} completion tokens, finish: {finish}", file=sys.stderr)
+            usage = chunk.usage or usage      # on the last chunk, asked for by include_usage
+        print()
+        if usage is not None:
+            print(f"{model}: {usage.prompt_tokens} prompt tokens, {usage.completion_tokens} completion tokens, "
+                  f"finish: {finish}", file=sys.stderr)
     except openai.APIError as e:  # the server's OpenAI error body: message, type, param, code
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
