@@ -15,7 +15,7 @@
 set -euo pipefail
 
 if [[ $# -lt 3 || $1 == -h || $1 == --help ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"   # the comment above
     [[ $# -ge 1 && ($1 == -h || $1 == --help) ]] && exit 0 || exit 2
 fi
 TARGET=$1 DRAFT=$2 OUT=$3
