@@ -31,7 +31,7 @@ $(GGUF): | venv
 	touch $@
 
 # rebuilt when the model or any build-stage source changes. BACKEND=ort-cuda|tensorrt|auto
-# builds the GPU engines into $(ENGINES)-$(BACKEND) (README "GPU path"); demo, bench and
+# builds the GPU engines into $(ENGINES)-$(BACKEND) (docs/gpu.md); demo, bench and
 # test always use the CPU engines in $(ENGINES).
 BACKEND ?= ort-cpu
 BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/engines/*.py specrt/build/*.py \

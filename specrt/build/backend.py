@@ -10,7 +10,7 @@ ONNX Runtime CPU, so a CPU machine can cross-build them; the reason then says th
 CUDA execution was not verified (`cuda_verifiable(probe)` is False). The decision is a pure function of a `Probe`, so it is tested on CPU with fake
 probes; `probe()` looks at this machine (TensorRT and cuda-python are imported through the
 runtime's loaders, the only ones). The GPU backends themselves have not run on a GPU yet
-(README "GPU path").
+(docs/gpu.md).
 """
 from __future__ import annotations
 

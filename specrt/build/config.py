@@ -20,7 +20,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
                "or a path to a draft model with the same tokenizer")
 
 # the target's precision -> how its weights are quantized (calibration.quantize.QuantSpec).
-# Chosen by measurement on SmolLM2-135M, 2 cores (README "Precision"): int8 compute
+# Chosen by measurement on SmolLM2-135M, 2 cores (docs/precision.md): int8 compute
 # (accuracy_level 4) with a decode graph that runs the multi-row kernels, so plain and
 # speculative decoding agree bit for bit (build/gates/rows.py); fp32 compute (1) makes
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
@@ -82,7 +82,7 @@ class BuildConfig:
     block_size: int | None = None        # int8/int4: weights per quantization block along K (default: PRECISIONS)
     accuracy_level: int | None = None    # int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: PRECISIONS)
     quantize_lm_head: bool | None = None  # int8/int4: quantize the LM head too (default: PRECISIONS)
-    backend: str = "ort-cpu"   # "ort-cpu" | "ort-cuda" | "tensorrt" | "auto" (BACKENDS; README "GPU path")
+    backend: str = "ort-cpu"   # "ort-cpu" | "ort-cuda" | "tensorrt" | "auto" (BACKENDS; docs/gpu.md)
     # time each graph once built and record the speculation plan (build/gates/plan.py), which
     # turns on adaptive k at run time; False: a manifest without timings (reproducible bytes)
     measure_costs: bool = True

@@ -178,7 +178,7 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
     costs = plan.step_costs(tmp / "target", parts["target"], tmp / "draft" if d else None, d, shapes)
     agreement = ((d or {}).get("parity") or {}).get("agreement_with_target", {}).get("top1_agreement")
     # a trimmed draft head never proposes a token outside its kept ids: the prompts the agreement
-    # was measured on hold few of those, so scale by the held-out coverage (README "draft vocabulary")
+    # was measured on hold few of those, so scale by the held-out coverage (docs/speculation.md)
     coverage = (((d or {}).get("source") or {}).get("quantization", {}).get("draft_vocab") or {}).get(
         "held_out_coverage")
     if agreement is not None and coverage:

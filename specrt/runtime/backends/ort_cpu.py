@@ -2,7 +2,7 @@
 Implements base.ModelRunner; registered for manifests with device {"backend": "onnxruntime",
 "kind": "cpu"}.
 
-Why it is built this way (measured on 2 cores, see README):
+Why it is built this way (measured on 2 cores, see docs/runtime.md):
 - One global intra-op thread pool for the whole process, and spinning stopped after
   each run: with per-session pools, idle sessions spin and steal the cores from the
   session that is working, and speculation runs slower than plain decoding.
@@ -13,7 +13,7 @@ Why it is built this way (measured on 2 cores, see README):
   the prefill and one-token graphs of a model use one memory-mapped copy of
   `weights.bin` (`add_initializer`, no pre-packing; ~1.2x / ~1.1x slower steps), while
   the verify graph and the int8 draft still pre-pack, so speculation keeps its speed
-  (measured in the README; plain decoding pays the 1.1x).
+  (measured in docs/runtime.md; plain decoding pays the 1.1x).
 - Inputs and outputs are bound once to preallocated numpy buffers (`io_binding`);
   a step only writes token ids and `past_len` in place and runs. Output buffers are
   reused: read `logits` before the next `run`.

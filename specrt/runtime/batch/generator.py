@@ -174,7 +174,7 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
     `max_num_seqs` requests at once; each step decodes one token for every running row
-    (plain steps: see the README "Serving many requests" for why the CPU engine does not
+    (plain steps: see docs/batching.md for why the CPU engine does not
     speculate inside a batch) and prefills one chunk of the next request."""
     from pathlib import Path
 
