@@ -150,6 +150,10 @@ class BatchEngine:
             return
         prompt, T = row.req.prompt, self.prefill_tokens
         chunk = prompt[row.length:row.length + T]
+        if not self.target.graph_tokens.get("prefill", 0):
+            # a graph with a symbolic T runs the chunk unpadded (a short prompt's last chunk costs
+            # its own tokens); the row is alone in the call, so its T depends on its prompt only
+            T = max(len(chunk), self.target.min_rows)
         self._tokens[0, :T] = 0
         self._tokens[0, :len(chunk)] = chunk
         self._starts[0] = row.length
