@@ -8,11 +8,11 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
 from specrt import __version__
+from specrt.cli_text import HelpFormatter, in_flag_words, show_build_defaults
 from specrt.errors import ConfigError, SpecrtError
 
 
@@ -183,8 +183,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="int8 drafts: score only N tokens in the draft's LM head (the most frequent in calibration "
                         "text; lossless, the target verifies every token; acceptance drops by the held-out "
                         "coverage loss recorded in the manifest). Default: the full head")
-    b.add_argument("--max-context", type=int)
-    b.add_argument("--prefill-chunk", type=int)
+    b.add_argument("--max-context", type=int, help="the most tokens a generation holds, prompt included")
+    b.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step (the prefill graph's T)")
     b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
     b.add_argument("--precision", choices=("fp32", "int8", "int4"),
                    help="the target's weights: fp32 (default, the exact reference), int8 or int4 (ONNX Runtime "
@@ -218,7 +218,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")
     b.set_defaults(fn=cmd_build)
-    _show_build_defaults(b)
+    show_build_defaults(b)
 
     def sampling_args(s):
         s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -380,68 +380,16 @@ def main(argv=None) -> int:
         return 1
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` shows each option's default, except where it is None or False (nothing given,
-    a switch off) or the help already says it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        d = action.default
-        if "default" in text or d is None or d is False or d is argparse.SUPPRESS or d in ([], ""):
-            return text
-        return super()._get_help_string(action)
-
-
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes are one `specrt: error:` line (exit 2), like every other error."""
 
     def __init__(self, *args, **kw):
-        kw.setdefault("formatter_class", _HelpFormatter)
+        kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kw)
 
     def error(self, message):
         self.exit(2, f"specrt: error: {self.prog.removeprefix('specrt').strip() or 'usage'}: {message} "
                      f"(see `{self.prog} --help`)\n")
-
-
-def _show_build_defaults(b: argparse.ArgumentParser) -> None:
-    """The build's flags default to None ("the preset's or the config's value"): show BuildConfig's
-    defaults in their help (a preset changes the draft and the output folder only)."""
-    from dataclasses import MISSING, fields
-
-    from specrt.build.config import BuildConfig    # a dataclass: no torch
-    defaults = {f.name: f.default for f in fields(BuildConfig) if f.default is not MISSING}
-    for action in b._actions:
-        value = defaults.get(action.dest)
-        if value is not None and action.help and "default" not in action.help and not isinstance(value, bool):
-            action.help += f" (default: {value})"
-
-
-_QUOTES = "'\""
-# the generator's method arguments, as `specrt generate` spells them (longest first)
-_METHOD_WORDS = (
-    ("methods=('plain',) or ('plain', 'lookup') (`specrt generate --plain`, or --lookup 2 for prompt lookup)",
-     "--plain (or --lookup 2 for prompt lookup)"),
-    ("method='plain' (`specrt generate --plain`)", "--plain"),
-    ("method='speculative' / 'plain' to sample", "leave --lookup out (or use --plain) to sample"),
-    ("method='lookup'", "--lookup"),
-    ("method='plain'", "--plain"),
-)
-
-
-def in_flag_words(message: str, parser: argparse.ArgumentParser) -> str:
-    """An error of the Python API in the words of the command that hit it: `temperature=0` ->
-    `--temperature 0`, `method='lookup'` -> `--lookup`, for the options this command has (the API's
-    own messages keep the argument names its callers type)."""
-    for api, flag in _METHOD_WORDS:
-        message = message.replace(api, flag)
-    for action in parser._actions:
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if not longs or action.dest in (None, argparse.SUPPRESS):
-            continue
-        pattern = rf"(?<![\w.-]){re.escape(action.dest)}=('[^']*'|\"[^\"]*\"|[^\s,;:)\]]+)"
-        message = re.sub(pattern, lambda m, f=longs[0]: f"{f} {m.group(1).strip(_QUOTES)}", message)
-    return message
 
 
 def _positive_int(text: str) -> int:

@@ -11,7 +11,8 @@ import pytest
 
 from specrt import __version__
 from specrt import manifest as mf
-from specrt.cli import _HelpFormatter, in_flag_words, main, make_parser
+from specrt.cli import main, make_parser
+from specrt.cli_text import HelpFormatter, in_flag_words
 from specrt.tools.describe import describe
 
 
@@ -33,7 +34,7 @@ def test_every_option_with_a_default_shows_it_in_help():
     assert {"build", "generate", "bench", "profile", "inspect", "quality", "serve", "triton-repo",
             "qdq"} <= set(commands)
     for name, parser in commands.items():
-        formatter = _HelpFormatter(prog=parser.prog)
+        formatter = HelpFormatter(prog=parser.prog)
         for action in parser._actions:
             if not action.option_strings or isinstance(action, argparse._HelpAction):
                 continue
