@@ -219,7 +219,8 @@ def test_a_target_that_skips_min_p_fails_the_same_check(gen, min_p_exact, monkey
     """The draft still applies min-p; the target's rows do not: the output leaves min-p's law."""
     from dataclasses import replace
     real = rounds_mod.probs_from_logits
-    monkeypatch.setattr(rounds_mod, "probs_from_logits", lambda x, params, out: real(x, replace(params, min_p=0.0), out))
+    monkeypatch.setattr(rounds_mod, "probs_from_logits",
+                        lambda x, params, out: real(x, replace(params, min_p=0.0), out))
     fit = fit_of(min_p_exact, sample_prefixes(gen, N // 2, params=MIN_P))
     assert not fit.passes, fit
 
