@@ -11,15 +11,19 @@ import os
 import sys
 from pathlib import Path
 
+from specrt import __version__
+from specrt.cli_text import HelpFormatter, in_flag_words, show_build_defaults
 from specrt.errors import ConfigError, SpecrtError
 
 
 def _sampling(a):
     from specrt.runtime.sampling import SamplingParams
-    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed)
 
 
 def cmd_build(a) -> int:
+    if a.quiet:
+        _quiet_progress_bars()
     from specrt.build.config import config_for
     from specrt.build.pipeline import build
     cfg = config_for(a.preset, target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
@@ -50,6 +54,19 @@ def cmd_generate(a) -> int:
         print(f"-- stopped at the maximum context ({gen.shapes.max_context} tokens): rebuild with a larger "
               "--max-context for longer outputs", file=sys.stderr)
     return 0
+
+
+def _quiet_progress_bars() -> None:
+    """--quiet: no progress bars from the libraries a build runs either (transformers' "Loading
+    weights", the GGUF reader's tqdm, huggingface_hub's downloads). tqdm reads TQDM_DISABLE when
+    it is first imported, so this runs before the build imports anything."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:     # the build says what is missing
+        return
+    hf_logging.disable_progress_bar()
 
 
 def _check_output_file(path: str) -> None:
@@ -149,10 +166,13 @@ def cmd_qdq(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The `specrt` parser; its subcommands' parsers are `parser.commands.choices[name]`."""
     p = _Parser(prog="specrt", description=__doc__.splitlines()[0])
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress; show the traceback of an unexpected "
+                   "error")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.commands = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build", help="export + calibrate + build engines into a folder with a manifest")
     b.add_argument("--preset", help="a named configuration, e.g. smollm2")
@@ -163,8 +183,8 @@ def main(argv=None) -> int:
                    help="int8 drafts: score only N tokens in the draft's LM head (the most frequent in calibration "
                         "text; lossless, the target verifies every token; acceptance drops by the held-out "
                         "coverage loss recorded in the manifest). Default: the full head")
-    b.add_argument("--max-context", type=int)
-    b.add_argument("--prefill-chunk", type=int)
+    b.add_argument("--max-context", type=int, help="the most tokens a generation holds, prompt included")
+    b.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step (the prefill graph's T)")
     b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
     b.add_argument("--precision", choices=("fp32", "int8", "int4"),
                    help="the target's weights: fp32 (default, the exact reference), int8 or int4 (ONNX Runtime "
@@ -194,19 +214,23 @@ def main(argv=None) -> int:
                    help="also export the target with a batch dimension, so that `specrt serve --max-num-seqs N` "
                         "decodes many requests at once on one copy of the weights (ort-cpu; adds one graph and "
                         "a copy of the weights on disk)")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--quiet", action="store_true", help="no progress bars (specrt's, transformers', Hugging Face's)")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")
     b.set_defaults(fn=cmd_build)
+    show_build_defaults(b)
 
     def sampling_args(s):
         s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        s.add_argument("--top-k", type=int, default=0)
-        s.add_argument("--top-p", type=float, default=1.0)
-        s.add_argument("--seed", type=int, default=None)
+        s.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all)")
+        s.add_argument("--top-p", type=float, default=1.0,
+                       help="sample from the smallest set of tokens with this much probability (1: all)")
+        s.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this fraction of the most likely one (0: none)")
+        s.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: a fresh one each run)")
         s.add_argument("--k", type=int, default=None, help="draft tokens per iteration (<= the built k)")
-        s.add_argument("--threads", type=_positive_int, default=2)
-        s.add_argument("--max-new-tokens", type=_positive_int, default=128)
+        s.add_argument("--threads", type=_positive_int, default=2, help="ONNX Runtime threads")
+        s.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate at most")
         s.add_argument("--memory", choices=("fast", "shared"), default="fast",
                        help="fast: per-session pre-packed weights; shared: one copy of the weights, slower")
 
@@ -229,7 +253,7 @@ def main(argv=None) -> int:
     be.add_argument("engines", nargs="+", help="one or more folders written by `specrt build` (e.g. fp32, int8 and "
                     "int4 targets): interleaved prompt by prompt in one run")
     be.add_argument("--prompts", type=_positive_int, default=8, help="how many built-in prompts")
-    be.add_argument("--rounds", type=_positive_int, default=1)
+    be.add_argument("--rounds", type=_positive_int, default=1, help="times each prompt is run")
     be.add_argument("--hf-reference", metavar="MODEL", help="also time Hugging Face generate on this model source")
     be.add_argument("--json", metavar="FILE", help="write the report as JSON")
     be.add_argument("--lookup", type=int, default=0, metavar="N",
@@ -238,18 +262,18 @@ def main(argv=None) -> int:
     be.set_defaults(fn=cmd_bench)
 
     pr = sub.add_parser("profile", help="ONNX Runtime's per-operator profile of one generation: table + trace")
-    pr.add_argument("engines")
-    pr.add_argument("--out", default="profile", help="folder for trace.json and ops.csv (default: ./profile)")
-    pr.add_argument("--prompt", default="Explain why the sky is blue.")
-    pr.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    pr.add_argument("engines", help="folder written by `specrt build`")
+    pr.add_argument("--out", default="profile", help="folder for trace.json and ops.csv")
+    pr.add_argument("--prompt", default="Explain why the sky is blue.", help="the prompt generated from")
+    pr.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens to generate")
     pr.add_argument("--plain", action="store_true", help="profile plain decoding instead of speculative")
-    pr.add_argument("--threads", type=_positive_int, default=2)
+    pr.add_argument("--threads", type=_positive_int, default=2, help="ONNX Runtime threads")
     pr.add_argument("--top", type=_positive_int, default=8, help="operator types shown per graph")
     pr.set_defaults(fn=cmd_profile)
 
     i = sub.add_parser("inspect", help="print a manifest readably")
-    i.add_argument("engines")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("engines", help="folder written by `specrt build`")
+    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
     i.set_defaults(fn=cmd_inspect)
 
     q = sub.add_parser("quality", help="each engine folder against the fp32 reference on held-out prompts: "
@@ -261,7 +285,7 @@ def main(argv=None) -> int:
                    "its held-out part is used (default: the shipped calibration set)")
     q.add_argument("--eval", type=_positive_int, default=16, help="held-out prompts to measure on")
     q.add_argument("--new-tokens", type=_positive_int, default=32, help="greedy tokens per prompt")
-    q.add_argument("--threads", type=_positive_int, default=2)
+    q.add_argument("--threads", type=_positive_int, default=2, help="ONNX Runtime threads")
     q.add_argument("--json", metavar="FILE", help="write the report as JSON")
     q.add_argument("--record", action="store_true", help="write each folder's row into its manifest.json "
                    "(`quality`, with the reference and prompts), where `specrt inspect` shows it")
@@ -269,7 +293,7 @@ def main(argv=None) -> int:
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     sv.add_argument("engines", help="folder written by `specrt build`")
-    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
     sv.add_argument("--workers", type=int, default=1, help="generations at once; each loads its own engines")
     sv.add_argument("--max-num-seqs", type=int, metavar="N",
@@ -280,7 +304,9 @@ def main(argv=None) -> int:
     sv.add_argument("--memory", choices=("fast", "shared"), default="fast",
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
     sv.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (one pool for the process)")
-    sv.add_argument("--model-name", help="the model id clients send (default: the engine folder's name)")
+    sv.add_argument("--model-name", "--served-model-name", dest="model_name",
+                    help="the model id clients send (default: the engine folder's name); --served-model-name is "
+                         "vLLM's name for it")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                     "the SPECRT_API_KEY environment variable, which other users cannot read in the process list)")
     sv.add_argument("--allowed-hosts", default="", metavar="NAMES",
@@ -289,12 +315,12 @@ def main(argv=None) -> int:
     sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                     help="a browser origin allowed to call the API, e.g. http://localhost:3000 (repeatable; '*' any); "
                          "default: no CORS headers, so browsers refuse cross-origin calls")
-    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     sv.add_argument("--read-timeout", type=float, default=15.0,
-                    help="seconds a client has to send a whole request, headers and body (default 15)")
-    sv.add_argument("--keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
+                    help="seconds a client has to send a whole request, headers and body")
+    sv.add_argument("--keep-alive", type=int, default=5, help="seconds an idle connection stays open")
     sv.add_argument("--max-connections", type=int, default=64,
-                    help="connections and requests at once; more get 503 (default 64)")
+                    help="connections and requests at once; more get 503")
     sv.set_defaults(fn=cmd_serve)
 
     tr = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend)")
@@ -302,7 +328,8 @@ def main(argv=None) -> int:
     tr.add_argument("out", help="model repository folder to write (created)")
     tr.add_argument("--model-name", help="Triton model name (default: the engine folder's name)")
     tr.add_argument("--instances", type=int, default=1, help="model instances (each loads its own engines)")
-    tr.add_argument("--memory", choices=("fast", "shared"), default="fast")
+    tr.add_argument("--memory", choices=("fast", "shared"), default="fast",
+                    help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
     tr.add_argument("--copy-engines", action="store_true",
                     help="copy the engines into the repository (default: refer to their absolute path)")
     tr.add_argument("--force", action="store_true",
@@ -316,23 +343,27 @@ def main(argv=None) -> int:
     qd.add_argument("--out", required=True, help="engine folder to write (new, or a previous specrt folder, replaced)")
     qd.add_argument("--force", action="store_true",
                     help="replace --out even if it is not a specrt folder (everything in it is deleted)")
-    qd.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts (default 16)")
-    qd.add_argument("--eval-prompts", type=_positive_int, default=8, help="held-out prompts for parity (default 8)")
-    qd.add_argument("--decode-steps", type=_positive_int, default=16, help="greedy steps per prompt (default 16)")
+    qd.add_argument("--prompts", type=_positive_int, default=16, help="calibration prompts")
+    qd.add_argument("--eval-prompts", type=_positive_int, default=8, help="held-out prompts for parity")
+    qd.add_argument("--decode-steps", type=_positive_int, default=16, help="greedy steps per prompt")
     qd.add_argument("--keep-float", metavar="SUFFIXES",
                     help="weight-name suffixes whose MatMuls stay float, comma-separated ('' = quantize all; "
                          "default: see `specrt.calibration.qdq.QDQSpec`)")
-    qd.add_argument("--threads", type=_positive_int, default=None)
+    qd.add_argument("--threads", type=_positive_int, default=None, help="ONNX Runtime threads (default: all cores)")
     qd.add_argument("--json", action="store_true", help="print the manifest")
     qd.add_argument("--quiet", action="store_true", help="no progress lines")
     qd.set_defaults(fn=cmd_qdq)
+    return p
 
+
+def main(argv=None) -> int:
+    p = make_parser()
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return a.fn(a)
     except SpecrtError as e:
-        print(f"specrt: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"specrt: error: {type(e).__name__}: {in_flag_words(str(e), p.commands.choices[a.cmd])}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -351,6 +382,10 @@ def main(argv=None) -> int:
 
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes are one `specrt: error:` line (exit 2), like every other error."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
 
     def error(self, message):
         self.exit(2, f"specrt: error: {self.prog.removeprefix('specrt').strip() or 'usage'}: {message} "

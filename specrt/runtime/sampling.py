@@ -4,7 +4,7 @@ The rule is Leviathan et al. 2023 (Alg. 1) / Chen et al. 2023: a draft token x
 proposed with probability q(x) is kept with probability min(1, p(x) / q(x));
 at the first rejection a token is drawn from norm(max(0, p - q)). Whatever the
 draft does, every emitted token is then distributed exactly as the target's p.
-"p" here is the *warped* distribution (temperature, top-k, top-p); the rule is
+"p" here is the *warped* distribution (temperature, top-k, top-p, min-p); the rule is
 exact for that p, so draft and target must go through the same
 `probs_from_logits` with the same `SamplingParams`.
 
@@ -68,12 +68,14 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_k: keep only the k most likely tokens; 0 disables.
     top_p: keep the smallest set of most likely tokens with mass >= top_p; 1.0 disables.
+    min_p: keep only tokens with probability >= min_p * (the most likely token's); 0.0 disables.
     seed: seed for the caller's `numpy.random.default_rng`; None means unseeded.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -103,6 +105,15 @@ class SamplingParams:
         if not math.isfinite(tp) or not 0.0 < tp <= 1.0:
             raise SamplingParamsError(
                 f"top_p={tp!r} is outside (0, 1]; use 1.0 to disable nucleus sampling"
+            )
+        mp = self.min_p
+        if not _is_real(mp):
+            raise SamplingParamsError(
+                f"min_p={mp!r} is not a number; pass a float in [0, 1] (0 disables min-p sampling)"
+            )
+        if not math.isfinite(mp) or not 0.0 <= mp <= 1.0:
+            raise SamplingParamsError(
+                f"min_p={mp!r} is outside [0, 1]; use 0 to disable min-p sampling"
             )
         s = self.seed
         if s is not None:
@@ -158,8 +169,9 @@ def probs_from_logits(
 ) -> np.ndarray:  # -> out: [V], the warped distribution
     """Write the warped next-token distribution for one position into `out` and return `out`.
 
-    Order: divide by temperature, softmax, top-k, top-p, renormalise (top-p sees the
-    top-k-renormalised distribution, as in Hugging Face's warper chain).
+    Order: divide by temperature, softmax, top-k, top-p, min-p, renormalising after each
+    cut (top-p sees the top-k-renormalised distribution, min-p the top-p-renormalised one:
+    Hugging Face's warper chain, TemperatureLogitsWarper -> TopK -> TopP -> MinP).
 
     - Greedy params give a one-hot row on argmax(logits) (first index on ties), so
       callers can treat greedy and sampled decoding uniformly.
@@ -169,6 +181,9 @@ def probs_from_logits(
       and allocates an index array; top-p allocates a sort order and a cumulative sum.
     - top-p keeps the smallest set of highest-probability tokens whose mass is
       >= top_p, and always at least one token.
+    - min-p keeps the tokens with probability >= min_p * max probability (the most likely
+      token always stays, min_p <= 1); it allocates a mask. vLLM applies min-p before
+      top-k/top-p instead: the same tokens unless top-p is also set.
 
     Apply the same params to draft and target: the accept rule is exact for the p it
     is given, so the warp is part of the definition of the target distribution.
@@ -212,6 +227,10 @@ def probs_from_logits(
         # total just under top_p, hence the clamp to V.
         n_keep = min(int(np.searchsorted(mass, params.top_p, side="left")) + 1, v)
         out[order[n_keep:]] = 0.0
+        np.divide(out, out.sum(), out=out)
+
+    if params.min_p > 0.0:
+        out[out < np.float32(params.min_p) * out.max()] = 0.0
         np.divide(out, out.sum(), out=out)
 
     return out

@@ -41,11 +41,14 @@ class TextStreaming:
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
-               system: str | None = None, method: str = "speculative", ngram: int = 2) -> Iterator[Chunk]:
-        """Yield text chunks as tokens are accepted; stops on EOS, a stop string, the token
-        budget or the maximum context (`last_metrics.finish_reason` says which)."""
+               system: str | None = None, method: str = "speculative", ngram: int = 2,
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
+        """Yield text chunks as tokens are accepted; stops on EOS, a stop string, one of
+        `stop_token_ids`, the token budget or the maximum context (`last_metrics.finish_reason`
+        says which: "eos", "stop", "length", "max_context"). ignore_eos: EOS is a token like any
+        other (generation runs to the budget; its text is empty when it is a special token)."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
-        text = TextTail(self.tokenizer, stop)
+        text = TextTail(self.tokenizer, stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram)
         with closing(gen):
             for e in gen:
@@ -87,6 +90,19 @@ def _stop_strings(stop) -> list[str]:
     return [s for s in stops if s]
 
 
+def stop_token_set(ids, ignore_eos) -> frozenset[int]:
+    """`stop_token_ids` as a set of ints (a SamplingParamsError for anything else); checks
+    `ignore_eos` is a bool."""
+    if not isinstance(ignore_eos, bool):
+        raise SamplingParamsError(f"ignore_eos={ignore_eos!r} must be True or False")
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise SamplingParamsError(f"stop_token_ids={ids!r} must be a sequence of token ids (integers >= 0)")
+    ids = list(ids)
+    if any(isinstance(t, bool) or not hasattr(t, "__index__") or int(t) < 0 for t in ids):
+        raise SamplingParamsError(f"stop_token_ids={ids!r} must be a sequence of token ids (integers >= 0)")
+    return frozenset(int(t) for t in ids)
+
+
 def _partial_stop_suffix(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
     best = 0
@@ -103,19 +119,23 @@ class TextTail:
 
     push(token) -> (chunk or None, finish reason or None): "eos" (the EOS token itself is not
     reported; held-back text is released), "stop" (the token that completed a stop string is
-    reported, its text trimmed at the stop string). Text that may be the start of a stop string
-    is held back until it is not. flush() releases what is held when the tokens run out."""
+    reported, its text trimmed at the stop string; a token of `stop_token_ids` is not reported,
+    as vLLM leaves it out of the text). Text that may be the start of a stop string is held
+    back until it is not. flush() releases what is held when the tokens run out.
+    ignore_eos: the EOS tokens are ordinary tokens (vLLM's ignore_eos)."""
 
-    def __init__(self, tokenizer, stop=()):
-        self.eos = tokenizer.eos_token_ids
+    def __init__(self, tokenizer, stop=(), *, stop_token_ids=(), ignore_eos: bool = False):
+        extra = stop_token_set(stop_token_ids, ignore_eos)
+        self.eos = frozenset() if ignore_eos else tokenizer.eos_token_ids
+        self.stop_ids = extra - self.eos     # an EOS id listed here still ends as "eos"
         self.dec = IncrementalDecoder(tokenizer)
         self.stop = _stop_strings(stop)
         self.held = ""   # text not yet released because it may be the start of a stop string
 
     def push(self, token: int, from_draft: bool = False) -> tuple[Chunk | None, str | None]:
-        if token in self.eos:
+        if token in self.eos or token in self.stop_ids:
             held, self.held = self.held, ""
-            return (Chunk(held, [], []) if held else None), "eos"
+            return (Chunk(held, [], []) if held else None), "eos" if token in self.eos else "stop"
         held = self.held + self.dec.push(token)
         hit = min((i for i in (held.find(s) for s in self.stop) if i >= 0), default=-1)
         if hit >= 0:

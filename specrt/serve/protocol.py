@@ -1,8 +1,9 @@
 """OpenAI wire format: request types (pydantic, strict) and response bodies (dicts).
 
-Only the fields specrt can honour are typed; a known OpenAI field it cannot honour
-(`echo`, `logprobs`, `n > 1`, penalties, tools ...) is rejected by validation.py with
-a 400 naming it; unknown fields are ignored, as OpenAI-compatible servers do.
+Only the fields specrt can honour are typed (OpenAI's, and vLLM's `top_k`, `min_p`,
+`stop_token_ids`, `ignore_eos`); a known OpenAI or vLLM field it cannot honour (`echo`,
+`logprobs`, `n > 1`, penalties, tools ...) is rejected by validation.py with a 400 naming it;
+unknown fields are ignored, as OpenAI-compatible servers do.
 Strict mode: `"max_tokens": "5"` or `"stream": "yes"` is a 400, not a coercion.
 """
 from __future__ import annotations
@@ -38,7 +39,11 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)   # None -> 1.0, as OpenAI
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)                      # vLLM's: -1 or 0 = all tokens
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)           # vLLM's: 0 = off
     seed: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[int] | None = None     # vLLM's: end on emitting one of these (left out of the text)
+    ignore_eos: bool | None = False             # vLLM's: generate through EOS up to max_tokens
     stop: Text | list[Text] | None = Field(default=None)
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -24,12 +24,23 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 NORMALIZER_MARGIN = 4
 MAX_STOP_STRINGS = 4                    # OpenAI's limit
 
-# OpenAI fields specrt cannot honour: accepted only at their neutral value
+# OpenAI (and vLLM) fields specrt cannot honour yet: accepted only at their neutral value,
+# anything else is a 400 naming the field (never dropped silently)
 _NEUTRAL = {
     "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "n": (None, 1),
-    "response_format": (None, {"type": "text"}),
+    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+    "n": (None, 1), "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
+    "use_beam_search": (None, False), "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}
+# what to do instead, where there is something
+_INSTEAD = {
+    "n": "send n requests (with different seeds, or none) for n completions",
+    "best_of": "send several requests and choose among them",
+    "tools": "specrt does not parse tool calls yet: describe the tools in the messages",
+    "functions": "specrt does not parse function calls yet: describe them in the messages",
+    "response_format": "specrt does not constrain output to a format yet: ask for it in the prompt",
 }
 
 
@@ -42,6 +53,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
 
 def longest_token_bytes(tok: Tokenizer) -> int:
@@ -112,8 +125,8 @@ class Validator:
         extra = dict(req.model_extra or {}) | {"n": req.n}
         for name, neutral in _NEUTRAL.items():
             if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
-                raise RequestError(f"{name}={extra[name]!r} is not supported by specrt (batch size 1, no "
-                                   f"log-probabilities or penalties): leave it out", param=name,
+                raise RequestError(f"{name}={_short(extra[name])} is not supported by specrt yet: leave it out"
+                                   + (f" ({_INSTEAD[name]})" if name in _INSTEAD else ""), param=name,
                                    code="unsupported_parameter")
 
     def _finish(self, req, ids: list[int], max_tokens: int | None, default: int | None,
@@ -137,9 +150,20 @@ class Validator:
             raise RequestError(f"stop has {len(stop)} strings; give at most {MAX_STOP_STRINGS}", param="stop")
         try:
             sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                      top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+                                      top_p=1.0 if req.top_p is None else req.top_p,
+                                      top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed)
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
+        stop_ids = tuple(req.stop_token_ids or ())
+        if any(not 0 <= t < self.vocab for t in stop_ids):
+            raise RequestError(f"stop_token_ids must lie in [0, {self.vocab}), this model's vocabulary",
+                               param="stop_token_ids")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return GenerationRequest(kind, tuple(ids), max_tokens, sampling, tuple(s for s in stop if s),
-                                 bool(req.stream), include_usage)
+                                 bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos))
+
+
+def _short(value) -> str:
+    """A refused value as the message shows it: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

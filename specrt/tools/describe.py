@@ -49,11 +49,17 @@ def _quality(q: dict) -> list[str]:
             f"greedy = {r.get('greedy_exact_match')}/{r.get('greedy_prompts')} ({q.get('measured_by')})"]
 
 
+def _num(x) -> str:
+    """A measured number for reading: 4 significant digits (0.9945652173913043 -> 0.9946)."""
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
 def _plan(sp: dict) -> list[str]:
     c, ch = sp.get("costs_ms", {}), sp.get("chosen", {})
     pred = ", ".join(f"{k} x{v:.2f}" for k, v in (sp.get("predicted") or {}).items())
-    return [f"plan       step ms: target decode {c.get('target_decode')}, verify {c.get('target_verify')}, draft "
-            f"{c.get('draft_decode', '-')}; acceptance {sp.get('acceptance')}; predicted {pred or '-'}; chosen "
+    return [f"plan       step ms: target decode {_num(c.get('target_decode'))}, verify "
+            f"{_num(c.get('target_verify'))}, draft {_num(c.get('draft_decode', '-'))}; acceptance "
+            f"{_num(sp.get('acceptance'))}; predicted {pred or '-'}; chosen "
             f"{ch.get('method')} k={ch.get('k')} (adaptive k at run time starts from these)"]
 
 

@@ -121,6 +121,7 @@ def resample_from_p(p, q, draft_tokens, rng, scratch) -> Verdict:
 EXACTNESS_CASES = [
     pytest.param(SamplingParams(temperature=0.7, top_p=0.9), 1, id="T0.7-top_p0.9"),
     pytest.param(SamplingParams(temperature=1.3, top_k=4, top_p=0.95), 1, id="T1.3-top_k4-top_p0.95"),
+    pytest.param(SamplingParams(temperature=1.3, min_p=0.2), 1, id="T1.3-min_p0.2"),
 ]
 N_EXACT = 30_000
 N_WRONG = 10_000

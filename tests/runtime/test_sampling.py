@@ -64,6 +64,11 @@ def test_default_params_are_greedy_and_temperature_makes_them_sampled():
         ("top_p", {"top_p": float("nan")}),
         ("top_p", {"top_p": float("inf")}),
         ("top_p", {"top_p": False}),
+        ("min_p", {"min_p": -0.1}),
+        ("min_p", {"min_p": 1.5}),
+        ("min_p", {"min_p": float("nan")}),
+        ("min_p", {"min_p": True}),
+        ("min_p", {"min_p": "0.1"}),
         ("seed", {"seed": -3}),
         ("seed", {"seed": 1.5}),
         ("seed", {"seed": True}),
@@ -178,6 +183,46 @@ def test_top_p_combined_with_temperature_matches_a_hand_computation():
     np.testing.assert_allclose(
         warp(HAND_LOGITS, SamplingParams(temperature=2.0, top_p=0.65)), expected / expected.sum(), rtol=1e-6
     )
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely_and_renormalises():
+    # probs 0.4, 0.3, 0.2, 0.1: min_p=0.5 keeps p >= 0.2 (the boundary token stays), 0.6 keeps p >= 0.24
+    np.testing.assert_allclose(warp(HAND_LOGITS, SamplingParams(temperature=1.0, min_p=0.5)),
+                               [4 / 9, 3 / 9, 2 / 9, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(warp(HAND_LOGITS, SamplingParams(temperature=1.0, min_p=0.6)),
+                               [4 / 7, 3 / 7, 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_array_equal(warp(HAND_LOGITS, SamplingParams(temperature=1.0, min_p=1.0)), [1, 0, 0, 0])
+    np.testing.assert_allclose(warp(HAND_LOGITS, SamplingParams(temperature=1.0, min_p=0.0)),
+                               [0.4, 0.3, 0.2, 0.1], rtol=1e-6)
+
+
+def test_min_p_applies_after_top_p_as_transformers_warpers_do():
+    # top_p=0.75 keeps 0.4, 0.3, 0.2 (-> 4/9, 3/9, 2/9); min_p=0.3 then keeps p >= 0.3 * 4/9: all
+    # three. min-p first (vLLM's order) would cut only 0.1 and top-p would then keep two tokens.
+    np.testing.assert_allclose(warp(HAND_LOGITS, SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3)),
+                               [4 / 9, 3 / 9, 2 / 9, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, min_p=0.05),
+                                    SamplingParams(temperature=1.3, top_k=20, min_p=0.5),
+                                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.2)])
+def test_min_p_matches_transformers_warper_chain(params):
+    torch = pytest.importorskip("torch")
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+    chain = [TemperatureLogitsWarper(params.temperature)]
+    chain += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    chain += [TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    chain += [MinPLogitsWarper(params.min_p)]
+    logits = np.random.default_rng(3).normal(0.0, 1.0, (8, 512)).astype(np.float32)
+    scores = LogitsProcessorList(chain)(torch.zeros(1, 1, dtype=torch.long), torch.tensor(logits))
+    theirs = scores.softmax(-1).numpy()
+    for row, want in zip(logits, theirs):
+        ours = warp(row, params)
+        np.testing.assert_array_equal(ours > 0, want > 0)
+        assert 0 < (ours > 0).sum() < (warp(row, SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                                                   top_p=params.top_p)) > 0).sum()
+        np.testing.assert_allclose(ours, want, atol=1e-6)
 
 
 def test_greedy_params_give_a_one_hot_row_on_the_first_argmax():

@@ -31,9 +31,11 @@ N = 3000
 PARAMS = dict(temperature=1.3, top_k=6, top_p=0.8)   # each warp cuts at most positions (asserted)
 
 
-def warp_by_definition(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+def warp_by_definition(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                       min_p: float = 0.0) -> np.ndarray:
     """[V] float64: softmax(logits / T); keep the top_k most likely, renormalise; keep the
-    fewest most likely whose mass reaches top_p, renormalise (transformers' order)."""
+    fewest most likely whose mass reaches top_p, renormalise; keep those at least min_p times
+    as likely as the most likely, renormalise (transformers' order)."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -46,6 +48,7 @@ def warp_by_definition(logits: np.ndarray, temperature: float, top_k: int, top_p
         running += p[i] / mass
         if running >= top_p:
             break
+    nucleus = [i for i in nucleus if p[i] >= min_p * p[nucleus[0]]]   # a ratio: renormalising keeps it
     out = np.zeros_like(p)
     out[nucleus] = p[nucleus]
     return out / out.sum()
@@ -76,7 +79,7 @@ def warp_effects(logits: np.ndarray) -> dict[str, float]:
             "top_p_gap": float(np.abs(cumulative - tp).min())}
 
 
-def tree_of(model_dir, prompt: list[int]) -> dict:
+def tree_of(model_dir, prompt: list[int], params: dict = PARAMS) -> dict:
     """{prefix: (logits at the position after prompt + prefix)} for every prefix of length
     < DEPTH with nonzero warped probability."""
     import torch
@@ -89,18 +92,18 @@ def tree_of(model_dir, prompt: list[int]) -> dict:
         for prefix in frontier:
             with torch.no_grad():
                 tree[prefix] = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double().numpy()
-            nxt += [prefix + (int(t),) for t in np.flatnonzero(warp_by_definition(tree[prefix], **PARAMS))]
+            nxt += [prefix + (int(t),) for t in np.flatnonzero(warp_by_definition(tree[prefix], **params))]
         frontier = nxt
     return tree
 
 
-def exact_of(tree: dict) -> dict[tuple, float]:
+def exact_of(tree: dict, params: dict = PARAMS) -> dict[tuple, float]:
     """Exact distribution of the first DEPTH tokens under the warped target."""
     dist = {(): 1.0}
     for _ in range(DEPTH):
         dist = {prefix + (int(t),): pr * float(p[t])
                 for prefix, pr in dist.items()
-                for p in [warp_by_definition(tree[prefix], **PARAMS)] for t in np.flatnonzero(p)}
+                for p in [warp_by_definition(tree[prefix], **params)] for t in np.flatnonzero(p)}
     assert abs(sum(dist.values()) - 1) < 1e-9
     return dist
 
@@ -121,13 +124,13 @@ def fit_of(exact: dict, counts: Counter):
     return goodness_of_fit(observed, np.array([exact[c] for c in cells]), outside=sum(counts.values()) - observed.sum())
 
 
-def sample_prefixes(gen: SpeculativeGenerator, n: int, method: str = "speculative") -> Counter:
+def sample_prefixes(gen: SpeculativeGenerator, n: int, method: str = "speculative", params: dict = PARAMS) -> Counter:
     """Counts of the first DEPTH tokens of n seeded generations of NEW tokens; checks that
     every speculative run verified a full window of K draft tokens."""
     counts = Counter()
     full_windows = 0
     for seed in range(n):
-        sp = SamplingParams(**PARAMS, seed=seed)
+        sp = SamplingParams(**params, seed=seed)
         toks = [e.token for e in gen.tokens(PROMPT, max_new_tokens=NEW, sampling=sp, method=method)]
         assert len(toks) == NEW
         counts[tuple(toks[:DEPTH])] += 1
@@ -193,6 +196,33 @@ def test_drafts_are_both_accepted_and_rejected_at_every_position(gen):
     # the check means something only if drafts are both accepted and rejected, at every row
     assert 0.1 < accepted.sum() / drafted.sum() < 0.9, (accepted, drafted)
     assert (accepted > 0).all() and (accepted < drafted).all(), (accepted, drafted)
+
+
+MIN_P = dict(PARAMS, min_p=0.5)     # cuts part of what top-k and top-p leave at most positions (asserted)
+
+
+@pytest.fixture(scope="module")
+def min_p_exact(tiny_pair) -> dict[tuple, float]:
+    tree = tree_of(tiny_pair[0], PROMPT, MIN_P)
+    # the mass (after top-k and top-p) that min-p keeps, at each position of the tree
+    kept = [warp_by_definition(x, **PARAMS)[warp_by_definition(x, **MIN_P) > 0].sum() for x in tree.values()]
+    assert sum(k < 0.99 for k in kept) >= 0.5 * len(kept), kept     # min-p removes > 1% of the mass
+    return exact_of(tree, MIN_P)
+
+
+def test_min_p_sampling_follows_the_target_distribution(gen, min_p_exact):
+    fit = fit_of(min_p_exact, sample_prefixes(gen, N // 2, params=MIN_P))
+    assert fit.passes and fit.outside_support == 0, fit
+
+
+def test_a_target_that_skips_min_p_fails_the_same_check(gen, min_p_exact, monkeypatch):
+    """The draft still applies min-p; the target's rows do not: the output leaves min-p's law."""
+    from dataclasses import replace
+    real = rounds_mod.probs_from_logits
+    monkeypatch.setattr(rounds_mod, "probs_from_logits",
+                        lambda x, params, out: real(x, replace(params, min_p=0.0), out))
+    fit = fit_of(min_p_exact, sample_prefixes(gen, N // 2, params=MIN_P))
+    assert not fit.passes, fit
 
 
 def _always_accept(p, q, draft_tokens, rng, scratch):

@@ -62,3 +62,28 @@ def test_the_config_refuses_what_it_cannot_serve(tiny_int4_engines):
         ServeConfig("x", max_num_seqs=0)
     with pytest.raises(ServeConfigError, match="--batch"):
         build_app(ServeConfig(str(tiny_int4_engines), max_num_seqs=4))
+
+
+def test_top_k_min_p_stop_token_ids_and_ignore_eos_reach_the_batched_engine(live, tiny_batch_engines):
+    from specrt.runtime.sampling import SamplingParams
+    ref = open_batch(tiny_batch_engines, max_num_seqs=1)
+    try:
+        full = ref.generate(PROMPTS[1], max_new_tokens=16)
+        stop_id = full.tokens[4]
+        stopped = ref.generate(PROMPTS[1], max_new_tokens=16, stop_token_ids=[stop_id])
+        sampled = ref.generate(PROMPTS[0], max_new_tokens=16,
+                               sampling=SamplingParams(temperature=1.0, top_k=3, min_p=0.2, seed=4))
+        eos = next((p for p in PROMPTS + ["a", "b", "zz", "hello"]
+                    if ref.generate(p, max_new_tokens=60).finish_reason == "eos"), None)
+        assert eos is not None, "no prompt reaches EOS: the ignore_eos check would mean nothing"
+        ended = ref.generate(eos, max_new_tokens=60)
+        through = ref.generate(eos, max_new_tokens=len(ended.tokens) + 6, ignore_eos=True)
+    finally:
+        ref.close()
+    assert stopped.finish_reason == "stop" and len(stopped.tokens) < 5
+    assert through.finish_reason == "length" and len(through.tokens) == len(ended.tokens) + 6
+    assert _complete(live.url, live.model, PROMPTS[1], stop_token_ids=[stop_id]) == stopped.text
+    assert _complete(live.url, live.model, PROMPTS[0], temperature=1.0, top_k=3, min_p=0.2, seed=4) == sampled.text
+    r = httpx.post(live.url + "/v1/completions", timeout=WAIT_S, json={
+        "model": live.model, "prompt": eos, "temperature": 0, "ignore_eos": True, "max_tokens": len(through.tokens)})
+    assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["choices"][0]["text"] == through.text

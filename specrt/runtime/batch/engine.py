@@ -216,7 +216,8 @@ class BatchEngine:
         return out
 
     def _emit(self, row: Row, accepted, nxt: int) -> None:
-        """Append the round's tokens to the row, stopping at EOS, a stop string or the budget."""
+        """Append the round's tokens to the row, stopping at EOS (unless ignored), a stop string,
+        a stop token or the budget."""
         text, toks, flags = [], [], []
         for tok, from_draft in [(int(t), True) for t in accepted] + [(int(nxt), False)]:
             row.seq.append(tok)
@@ -230,7 +231,8 @@ class BatchEngine:
                     toks += chunk.tokens
                     flags += chunk.from_draft
             else:
-                reason = "eos" if tok in self.eos else None
+                reason = "eos" if tok in self.eos and not row.req.ignore_eos else \
+                    "stop" if tok in row.req.stop_token_ids else None
                 if reason is None:
                     toks.append(tok)
                     flags.append(from_draft)

@@ -28,7 +28,7 @@ from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.request import Delta, Done, Failed, Request
 from specrt.runtime.prompt import check_request, encode_prompt
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.text import Chunk, Completion, _stop_strings
+from specrt.runtime.text import Chunk, Completion, _stop_strings, stop_token_set
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,11 @@ class BatchGenerator:
     # --- requests -----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
-               timeout: float | None = None, sink: Callable[[object], None] | None = None) -> Handle:
+               timeout: float | None = None, sink: Callable[[object], None] | None = None,
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Handle:
         """Queue a request. timeout: seconds from now after which it ends with reason "timeout".
-        sink: receives its events on the engine thread (None: the handle's own queue)."""
+        sink: receives its events on the engine thread (None: the handle's own queue).
+        stop_token_ids, ignore_eos: as `SpeculativeGenerator.stream`'s."""
         if self._closed:
             raise ConfigError("this BatchGenerator is closed")
         sampling = sampling or SamplingParams()
@@ -100,6 +102,7 @@ class BatchGenerator:
         ids = encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
         ids = check_request(ids, max_new_tokens, eng.max_context, eng.vocab)
         stops = tuple(_stop_strings(stop))
+        stop_ids = stop_token_set(stop_token_ids, ignore_eos)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need the engine's tokenizer")
         if self.max_queue is not None and eng.queued >= self.max_queue:
@@ -109,7 +112,8 @@ class BatchGenerator:
         self._ids += 1
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         deadline = None if timeout is None else eng.clock() + timeout
-        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, self._ids)
+        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, self._ids,
+                      stop_token_ids=stop_ids, ignore_eos=ignore_eos)
         eng.add(req)
         with self._wake:
             self._wake.notify()

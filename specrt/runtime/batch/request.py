@@ -50,6 +50,8 @@ class Request:
     sink: Callable[[object], None] = lambda event: None
     id: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    stop_token_ids: frozenset[int] = frozenset()   # end with "stop" on emitting one (left out of the text)
+    ignore_eos: bool = False                       # EOS is an ordinary token: run to the budget
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -64,7 +66,8 @@ class Row:
         self.seq = list(req.prompt)
         self.length = 0                       # prefill progress, then target rows with K/V
         self.emitted = 0
-        self.text = TextTail(tokenizer, req.stop) if tokenizer is not None else None
+        self.text = TextTail(tokenizer, req.stop, stop_token_ids=req.stop_token_ids,
+                             ignore_eos=req.ignore_eos) if tokenizer is not None else None
         self.finish: str | None = None
         self.metrics = Metrics(method="batched", k=k_max, prompt_tokens=len(req.prompt))
         self.accept = {kind: _Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer

@@ -156,6 +156,33 @@ def test_stop_strings_cancellation_and_timeouts_free_their_rows():
     assert eng.idle() and not eng.rows and eng.pending is None
 
 
+@pytest.mark.parametrize("text", [False, True], ids=["tokens", "text"])
+def test_stop_token_ids_and_ignore_eos_are_per_request(text):
+    """A stop token ends its request with "stop" and is left out (vLLM's stop_token_ids);
+    ignore_eos runs through EOS to the budget; the requests beside them are unchanged."""
+    eng, lm = make_engine(3, tokenizer=FakeTokenizer(EOS) if text else None)
+    n = 40
+    p = next((q for q in PROMPTS if reference(lm, q, n)[1] == "eos"), None)
+    assert p is not None, "no prompt reaches EOS: the ignore_eos check would mean nothing"
+    through, _ = reference(lm, p, n, eos=None)       # the tokens when EOS is ignored
+    at = through.index(EOS)
+    assert at + 1 < n
+    full, _ = reference(lm, PROMPTS[3], 30)
+    stop_id = full[6]
+    cut = full.index(stop_id)
+    a = submit(eng, p, n, ignore_eos=True)
+    b = submit(eng, PROMPTS[3], 30, stop_token_ids=frozenset({stop_id}))
+    c = submit(eng, p, n)
+    drain(eng)
+    assert a.done.finish_reason == "length" and a.done.completion_tokens == n
+    assert a.tokens == through and EOS in a.tokens
+    assert b.done.finish_reason == "stop" and b.tokens == full[:cut]
+    assert (c.tokens, c.done.finish_reason) == reference(lm, p, n)
+    if text:     # EOS is an ordinary token whose text is empty
+        assert a.text == "".join(chr(ord("a") + t % 26) for t in through if t != EOS)
+        assert b.text == "".join(chr(ord("a") + t % 26) for t in full[:cut])
+
+
 def test_a_long_prompt_is_prefilled_one_chunk_per_step_while_the_others_decode():
     eng, lm = make_engine(2, costs=None, prefill=4)
     short = submit(eng, [1, 2, 3], 40)
