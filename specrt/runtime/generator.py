@@ -28,6 +28,7 @@ from specrt.errors import (
     ConcurrentUseError,
     ConfigError,
     GraphFileError,
+    ManifestError,
     SamplingParamsError,
     TokenizerMismatchError,
 )
@@ -123,6 +124,8 @@ class SpeculativeGenerator(TextStreaming):
         self.vocab = int(man.target.dims["vocab"])
         self.ws = Workspace(self.k, self.vocab)
         self.costs, self.adaptive = self._adaptive(man, adaptive, k)
+        if self.adaptive:
+            _draft_prior(man)       # a damaged prior is a ManifestError now, not a TypeError mid-request
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
 
@@ -180,8 +183,7 @@ class SpeculativeGenerator(TextStreaming):
         return self._new_policy() if self.adaptive else None
 
     def _new_policy(self) -> AdaptiveK:
-        agree = (self.manifest.draft.parity or {}).get("agreement_with_target") or {}
-        return AdaptiveK(self.costs, self.k, prior=float(agree.get("top1_agreement", 0.8)))
+        return AdaptiveK(self.costs, self.k, prior=_draft_prior(self.manifest))
 
     def end_profiling(self) -> dict[str, str]:
         """Stop profiling (see profile_dir); "role/graph" -> the trace file ONNX Runtime wrote."""
@@ -297,3 +299,15 @@ def _check_same_vocab(man: mf.Manifest) -> None:
         raise TokenizerMismatchError(
             "draft and target were built from different tokenizers (tokenizer.json hashes differ): "
             "speculative decoding needs one shared tokenizer")
+
+
+def _draft_prior(man: mf.Manifest) -> float:
+    """Adaptive k's prior acceptance: the build's measured top-1 agreement of draft and target
+    (0.8 when not recorded)."""
+    parity = (man.draft.parity if man.draft is not None else None) or {}
+    agree = parity.get("agreement_with_target") if isinstance(parity, dict) else None
+    v = (agree or {}).get("top1_agreement", 0.8) if isinstance(agree, (dict, type(None))) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        raise ManifestError(f"manifest models.draft.parity.agreement_with_target.top1_agreement={v!r} is not a number "
+                            "in [0, 1]: the manifest is damaged; rebuild the engines")
+    return float(v)
