@@ -64,7 +64,7 @@ bench: $(ENGINES)/manifest.json
 	$(BIN)/specrt bench $(ENGINES) --prompts 8 --max-new-tokens 128
 
 test: venv $(ENGINES)/manifest.json
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 clean:
 	rm -rf artifacts .pytest_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from specrt.errors import ConfigError, ManifestError
 from specrt.runtime import SpeculativeGenerator
 from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.batch.request import Delta, Done
 from specrt.runtime.sampling import SamplingParams
 
 PROMPTS = ["hello there", "a b c d e f g h i j k l m n o p q r s t u v w x y z and then some more words",
@@ -62,17 +64,30 @@ def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alo
 def test_rows_with_stop_strings_and_cancelled_rows_leave_the_others_unchanged(gen, alone):
     text0 = gen.tokenizer.decode(alone[0])
     stop = text0[len(text0) // 2:len(text0) // 2 + 2]
-    handles = [gen.submit(p, max_new_tokens=NEW, stop=[stop] if i == 0 else ()) for i, p in enumerate(PROMPTS)]
-    cancelled = handles[2]
-    first = next(cancelled.chunks())         # it has a row and has emitted
-    assert first.tokens
-    cancelled.cancel()
-    out = [h.result() if h is not cancelled else None for h in handles]
+    # the cancelled request: one that alone runs to max_new_tokens (no EOS), cancelled from its own
+    # sink at its first tokens, on the engine thread, so the cancel lands before its next step
+    c = next(i for i in range(1, len(PROMPTS)) if len(alone[i]) == NEW)
+    box, events = {}, []
+
+    def sink(ev):
+        events.append(ev)
+        if isinstance(ev, Delta):
+            t0 = time.monotonic()
+            while "h" not in box and time.monotonic() - t0 < 5:   # submit() has not returned yet
+                time.sleep(0.001)
+            box["h"].cancel()
+
+    handles = [gen.submit(p, max_new_tokens=NEW, stop=[stop] if i == 0 else (), sink=sink if i == c else None)
+               for i, p in enumerate(PROMPTS)]
+    box["h"] = handles[c]
+    out = [h.result() if i != c else None for i, h in enumerate(handles)]
     assert out[0].finish_reason == "stop" and stop not in out[0].text
-    assert all(out[i].tokens == alone[i] for i in range(len(PROMPTS)) if i not in (0, 2))
-    for _ in cancelled.events():             # drains to its Done
-        pass
-    assert cancelled.done.finish_reason == "cancelled" and cancelled.done.completion_tokens < NEW
+    assert all(out[i].tokens == alone[i] for i in range(len(PROMPTS)) if i not in (0, c))
+    t0 = time.monotonic()
+    while not (events and isinstance(events[-1], Done)) and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.completion_tokens < NEW
 
 
 def test_a_seeded_sample_is_the_same_whatever_else_is_in_the_batch(gen):
