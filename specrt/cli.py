@@ -191,7 +191,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "MatMulNBits; a preset then writes to <preset out>-<precision>)")
     b.add_argument("--block-size", type=int, help="int8/int4: weights per quantization block (default 32)")
     b.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
-                   help="int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: see README)")
+                   help="int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: 4 for both; docs/precision.md)")
     b.add_argument("--lm-head", choices=("quantized", "fp32"), help="int8/int4: quantize the LM head or keep it fp32")
     b.add_argument("--attention", choices=("gqa", "portable", "standard"),
                    help="gqa (default): ONNX Runtime's fused GroupQueryAttention, KV written in place; "

@@ -29,7 +29,7 @@ class ServeConfig:
     engines: str
     host: str = "127.0.0.1"
     port: int = 8000                # 0: any free port (printed at start)
-    workers: int = 1                # each loads its own generator (memory: see README "Serving")
+    workers: int = 1                # each loads its own generator (memory: docs/serving.md)
     # one batched engine for up to N requests at once (one copy of the weights; engines built
     # with --batch), instead of `workers` one-request copies
     max_num_seqs: int | None = None
