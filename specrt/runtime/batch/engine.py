@@ -73,9 +73,14 @@ class BatchEngine:
         self._scratch = np.zeros(vocab, np.float32)
 
     # --- any thread -----------------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, max_waiting: int | None = None) -> bool:
+        """Queue `req`; False (not queued) when `max_waiting` requests already wait. The check and
+        the append hold one lock, so callers on many threads never overfill the queue."""
         with self._lock:
+            if max_waiting is not None and len(self.waiting) >= max_waiting:
+                return False
             self.waiting.append(req)
+            return True
 
     @property
     def queued(self) -> int:

@@ -16,6 +16,7 @@ same whatever else is in the batch (choice.py).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import secrets
@@ -79,7 +80,7 @@ class BatchGenerator:
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
         self._wake = threading.Condition()
         self._closed = False
-        self._ids = 0
+        self._ids = itertools.count(1)     # request ids; next() is atomic across threads
         self._thread = threading.Thread(target=self._run, name="specrt-batch-engine", daemon=True)
         self._thread.start()
 
@@ -105,16 +106,14 @@ class BatchGenerator:
         stop_ids = stop_token_set(stop_token_ids, ignore_eos)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need the engine's tokenizer")
-        if self.max_queue is not None and eng.queued >= self.max_queue:
-            raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
-                                 "retry later, or raise max_queue / max_num_seqs")
         q = queue.SimpleQueue() if sink is None else None
-        self._ids += 1
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         deadline = None if timeout is None else eng.clock() + timeout
-        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, self._ids,
+        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, next(self._ids),
                       stop_token_ids=stop_ids, ignore_eos=ignore_eos)
-        eng.add(req)
+        if not eng.add(req, self.max_queue):
+            raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
+                                 "retry later, or raise max_queue / max_num_seqs")
         with self._wake:
             self._wake.notify()
         return Handle(req, q)

@@ -70,6 +70,35 @@ def test_a_full_queue_refuses_with_a_typed_error(monkeypatch):
         g.close()
 
 
+def test_threads_racing_for_the_last_queue_places_never_overfill_it(monkeypatch):
+    eng, _ = make_engine(1)
+    go = threading.Event()
+    real = eng.step
+    monkeypatch.setattr(eng, "step", lambda: go.wait(30) and real())     # nothing leaves the queue
+    g = BatchGenerator(eng, None, max_queue=3)
+    start, results = threading.Barrier(16), []
+
+    def client(i):
+        start.wait()
+        try:
+            results.append(g.submit([1, 2, 3 + i % 8], max_new_tokens=2).request.id)
+        except OverloadedError:
+            results.append(None)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        ids = [r for r in results if r is not None]
+        assert len(results) == 16 and len(ids) == 3 and eng.queued == 3
+        assert len(set(ids)) == 3                  # each request its own id
+    finally:
+        go.set()
+        g.close()
+
+
 def test_a_model_error_fails_the_running_requests_and_the_engine_serves_the_next(gen, monkeypatch):
     real = gen.engine.target.step
     calls = {"n": 0}
