@@ -125,10 +125,7 @@ class BatchedDecoder(StaticDecoder):
         if self.spec.positions != "rope":
             return ropes
         B, T = pos.shape
-        tables = {"global": (self.inv_freq, self.rope_scale)}
-        if hasattr(self, "inv_freq_local"):
-            tables["local"] = (self.inv_freq_local, self.rope_scale_local)
-        for kind, (inv_freq, scale) in tables.items():
+        for kind, (inv_freq, scale) in self._rotary_freqs().items():
             cos, sin = cos_sin(pos.reshape(-1), inv_freq, scale, self.dims.head_dim)     # [B*T, D]
             ropes[kind] = (cos.reshape(B, 1, T, -1).to(self.dtype), sin.reshape(B, 1, T, -1).to(self.dtype),
                            self.rot)
@@ -141,13 +138,4 @@ class BatchedDecoder(StaticDecoder):
         total = (past_len.max() + T).to(torch.int32)                             # []: the longest row's total
         if self.static_total:
             total = torch.tensor(self.M, dtype=torch.int32)   # see StaticDecoder._forward_gqa
-        tables = {"none": None}
-        if self.spec.positions == "rope":
-            tables["global"] = (self.cos_cache, self.sin_cache)
-            if hasattr(self, "cos_cache_local"):
-                tables["local"] = (self.cos_cache_local, self.sin_cache_local)
-        present = []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.forward_gqa(x, past[2 * i], past[2 * i + 1], seqlens, total, tables[layer.rotary])
-            present += [k, v]
-        return (self._head(x), *present)
+        return self._gqa_layers(x, past, seqlens, total)

@@ -164,13 +164,17 @@ class StaticDecoder(nn.Module):
         ropes = {"none": None}
         if self.spec.positions != "rope":
             return ropes
-        tables = {"global": (self.inv_freq, self.rope_scale)}
-        if hasattr(self, "inv_freq_local"):
-            tables["local"] = (self.inv_freq_local, self.rope_scale_local)
-        for kind, (inv_freq, scale) in tables.items():
+        for kind, (inv_freq, scale) in self._rotary_freqs().items():
             cos, sin = cos_sin(pos, inv_freq, scale, self.dims.head_dim)     # [T, D] (export/rotary.py)
             ropes[kind] = (cos.to(self.dtype), sin.to(self.dtype), self.rot)
         return ropes
+
+    def _rotary_freqs(self) -> dict:
+        """kind -> (inv_freq, attention scaling) of each rotary table the layers use."""
+        tables = {"global": (self.inv_freq, self.rope_scale)}
+        if hasattr(self, "inv_freq_local"):
+            tables["local"] = (self.inv_freq_local, self.rope_scale_local)
+        return tables
 
     def _masks(self, past_len, pos) -> dict:
         """Portable attention's masks per sliding window (None: full attention): window ->
@@ -197,6 +201,11 @@ class StaticDecoder(nn.Module):
             # constant M (the buffer length) with the real length in seqlens_k, as onnxruntime-genai
             # does; same results on ORT CPU (tests/gpu_fakes/test_fp16.py).
             total = torch.tensor(self.M, dtype=torch.int32)
+        return self._gqa_layers(x, past, seqlens, total)
+
+    def _gqa_layers(self, x, past, seqlens, total):
+        """Every layer through GroupQueryAttention (one row here, B rows in export/batch.py), each
+        with its rotary cache table (GQA rotates q and k itself); returns (logits, *present)."""
         tables = {"none": None}
         if self.spec.positions == "rope":
             tables["global"] = (self.cos_cache, self.sin_cache)
