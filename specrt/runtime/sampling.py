@@ -293,12 +293,7 @@ def residual_distribution(
     """
     np.subtract(p, q, out=out)
     np.maximum(out, 0.0, out=out)
-    total = out.sum()
-    if total > 0.0:
-        np.divide(out, total, out=out)
-    else:
-        np.copyto(out, p)
-    return out
+    return _normalised_or_p(out, p)
 
 
 def residual_without(
@@ -311,6 +306,11 @@ def residual_without(
     one-hot q row, without materialising the row."""
     np.copyto(out, p)
     out[x] = 0.0
+    return _normalised_or_p(out, p)
+
+
+def _normalised_or_p(out: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """out / out.sum() in place; p itself when out is all zero (p == q: no rejection happens)."""
     total = out.sum()
     if total > 0.0:
         np.divide(out, total, out=out)
