@@ -6,6 +6,7 @@ CPU implementation of it (numpy buffers) that the tests drive.
       host(shape, dtype)  -> HostBuffer  reused host staging memory
       write(buf, host)                   host -> buf, in place (same address)
       read(buf, host)                    buf -> host (the host array is reused)
+      copy(dst, dst_off, src, src_off, n) n bytes device -> device (a batched cache's row move)
       sync()                             wait for the device's stream
       eager(step)                        run a step now, no graph
       capture(step) -> graph             record the step as a graph AND leave its outputs computed
@@ -23,6 +24,7 @@ which a real CUDA graph would silently ignore (it would read the old buffer).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -64,6 +66,7 @@ class Device(Protocol):
     def host(self, shape, dtype) -> HostBuffer: ...
     def write(self, dst: Buffer, src: HostBuffer | np.ndarray) -> None: ...
     def read(self, src: Buffer, dst: HostBuffer) -> None: ...
+    def copy(self, dst: Buffer, dst_offset: int, src: Buffer, src_offset: int, nbytes: int) -> None: ...
     def sync(self) -> None: ...
     def eager(self, step: Step) -> None: ...
     def capture(self, step: Step) -> object: ...
@@ -98,6 +101,11 @@ class CpuDevice:
 
     def read(self, src: Buffer, dst: HostBuffer) -> None:
         np.copyto(dst.array, src.handle)
+
+    def copy(self, dst: Buffer, dst_offset: int, src: Buffer, src_offset: int, nbytes: int) -> None:
+        assert 0 <= dst_offset and dst_offset + nbytes <= dst.nbytes and 0 <= src_offset and \
+            src_offset + nbytes <= src.nbytes, (dst_offset, src_offset, nbytes)
+        ctypes.memmove(dst.address + dst_offset, src.address + src_offset, nbytes)
 
     def sync(self) -> None:
         pass

@@ -14,6 +14,7 @@ import itertools
 
 import numpy as np
 
+from specrt.errors import BackendError
 from specrt.runtime.backends.device import Buffer, CpuDevice, HostBuffer, Step
 from specrt.runtime.backends.gpu_errors import CaptureError
 
@@ -65,6 +66,16 @@ class OrtCudaDevice(OrtDevice):
     def eager(self, step: Step) -> None:
         """GPU-ONLY, NOT YET RUN ON A GPU."""
         step.run(self.eager_options)
+
+    def copy(self, dst: Buffer, dst_offset: int, src: Buffer, src_offset: int, nbytes: int) -> None:
+        """GPU-ONLY, NOT YET RUN ON A GPU. Device -> device with cudaMemcpy (synchronous). ONNX
+        Runtime synchronizes its stream at the end of every run, so no kernel still uses the rows."""
+        from specrt.runtime.backends.cuda_device import load_cudart
+        rt = load_cudart()
+        err, *_ = rt.cudaMemcpy(dst.address + dst_offset, src.address + src_offset, nbytes,
+                                rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
+        if err != rt.cudaError_t.cudaSuccess:
+            raise BackendError(f"cudaMemcpy of a cache row failed ({err}): check the GPU (nvidia-smi)")
 
     def capture(self, step: Step):
         """GPU-ONLY, NOT YET RUN ON A GPU. Failures are CaptureError (the lifecycle runs the step eagerly)."""

@@ -173,12 +173,17 @@ class BatchGenerator:
 
 
 def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: int | None = None,
-               verify: str = "full") -> BatchGenerator:
+               verify: str = "full", buckets: Sequence[int] | None = None, execution: str = "cpu") -> BatchGenerator:
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
     `max_num_seqs` requests at once; each step decodes one token for every running row
     (plain steps: see docs/batching.md for why the CPU engine does not
-    speculate inside a batch) and prefills one chunk of the next request."""
+    speculate inside a batch) and prefills one chunk of the next request.
+
+    buckets: run static row buckets (e.g. (1, 2, 4, 8)) through the device runner with one
+    captured graph per bucket (backends/device_batch.py) instead of ONNX Runtime's dynamic
+    rows; execution "cpu" runs that path here (tests), "cuda" is GPU-ONLY and NOT YET RUN ON
+    A GPU (it needs fp16 batched graphs `specrt build --batch` does not make yet)."""
     from pathlib import Path
 
     from specrt import manifest as mf
@@ -201,7 +206,12 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
         raise ConfigError(f"{root}: the build did not show that the batched graph computes each row independently of "
                           "the others (manifest models.batch.parity.batch_invariance): rebuild with this specrt")
     check = mf.HashCheck(man, root) if verify == "full" else None
-    model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("step",), threads=threads)
+    if buckets is not None:
+        from specrt.runtime.backends.device_batch import DeviceBatchModel
+        model = DeviceBatchModel(root, entry, man.shapes, rows=max_num_seqs, buckets=tuple(buckets),
+                                 execution=execution, threads=threads)
+    else:
+        model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("step",), threads=threads)
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)
