@@ -102,6 +102,17 @@ def tiny_batch_engines(tmp_path_factory, tiny_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_standard_engines(tmp_path_factory, tiny_pair) -> Path:
+    """The tiny fp32 target with its batched copy in standard ONNX ops (`--attention standard
+    --batch`): a position's logits do not depend on its window, so the batched engine
+    speculates inside a batch; the build measures the batched step costs."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-standard",
+                 lambda d: build_tiny(d / "batchs", target, "none", attention="standard", batch=True,
+                                      measure_costs=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair

@@ -74,7 +74,9 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         bar.set_postfix_str("exporting the batched target")
         parts["batch"] = batch.export(cfg, tgt, tmp, part, prompts)
         inv = parts["batch"]["parity"]["batch_invariance"]
-        step(f"batched target: rows alone = together over {inv['rows']} rows x {inv['steps']} steps")
+        win = parts["batch"]["parity"]["window_invariance"]
+        step(f"batched target: rows alone = together over {inv['rows']} rows x {inv['steps']} steps; "
+             f"{'speculation inside a batch' if win['equal'] else 'plain steps only in a batch'}")
 
     if kind in ("int8", "int8-dynamic"):
         method = "blockwise" if kind == "int8" else "dynamic"
@@ -149,6 +151,9 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     if cfg.measure_costs:
         bar.set_postfix_str("timing the graphs")
         build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
+        if cfg.batch:     # what each batched step costs per rows x T: speculation chosen per step
+            from specrt.build.gates import batch
+            build_info["speculation"]["batch_costs_ms"] = batch.costs(tmp, parts["batch"], shapes)
     build_info["seconds"] = round(time.perf_counter() - t_start, 1)
     manifest_writer.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
     step("manifest written")

@@ -12,6 +12,16 @@ arithmetic in exact terms, not always the same rounding).
     rows 0..n-1 prefilled one at a time (T = prefill chunk, one row per call)
     for each step:  logits of row r alone (n=1 at first_row=r)  vs  all rows (n rows)
                     -> equal bit for bit?  max |delta|
+
+Speculation inside a batch needs one more property: a position's logits must not depend on
+the window it is computed in (a plain step, a pair round, a verify pass of k+1), or a row's
+tokens would change with the step kind the batch chose. `window_invariance` replays the
+rows' greedy two-token steps as (k+1)-token windows, all rows in one call, and compares bit
+for bit; the runtime speculates inside a batch only when it holds and `costs` measured each
+(T, rows) step (manifest `build.speculation.batch_costs_ms`, what runtime/batch/policy.py
+chooses from). ONNX Runtime's CPU GroupQueryAttention cannot run it (several tokens in
+several rows are refused; its one- and several-token paths also round differently, SmolLM2
+int4 ~0.3 in a logit), so `gqa` batches on the CPU run plain one-token steps.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ from specrt.errors import ParityError
 
 log = logging.getLogger(__name__)
 STEPS = 8          # decode steps compared per row
+MIN_TOKENS = 2     # tokens a row of every target pass of a batch that speculates (window_invariance)
 
 
 def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
@@ -46,6 +57,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
                 source={**target_part["source"], "derived": "the target with a batch dimension (export/batch.py)"},
                 kv=target_part["kv"])
     part["parity"] = {"batch_invariance": invariance(tmp, part, shapes, prompts),
+                      "window_invariance": window_invariance(tmp, part, shapes, prompts),
                       "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts)}
     inv = part["parity"]["batch_invariance"]
     if not inv["equal"]:
@@ -120,3 +132,66 @@ def agreement(tmp: Path, part: dict, target_part: dict, shapes, prompts) -> dict
         total += len(ref)
         lengths = [x + 1 for x in lengths]
     return {"positions": total, "equal_argmax": same, "rate": round(same / total, 4)}
+
+
+def window_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
+    """Each row's greedy steps as two-token steps (the token and a padding token, all rows in
+    one call) vs the same positions inside (k+1)-token windows (teacher-forced on the
+    two-token steps' tokens), bit for bit. Two tokens, not one: ONNX Runtime's CPU MatMul
+    takes another path for a single row of two computed inputs (attention's Q.K^T and P.V)
+    and rounds differently there, while 2..k+1 rows agree; so a batch that speculates runs
+    every target pass with at least MIN_TOKENS tokens a row (the runtime pads plain steps)."""
+    model = _model(tmp, part, shapes, len(prompts))
+    if model.multi_token_rows is not None:
+        return {"equal": False, "reason": "GroupQueryAttention on the CPU runs several tokens per row only for one "
+                                          "row, so a batch cannot verify windows"}
+    rows_ids = [list(p[:shapes.max_context - STEPS - shapes.k - 2]) for p in prompts]
+    n, W = len(rows_ids), shapes.k + 1
+    win = _model(tmp, part, shapes, n)
+    cur = _prefill(model, rows_ids, shapes)
+    _prefill(win, rows_ids, shapes)
+    L = np.array([len(r) for r in rows_ids], np.int64)
+    toks, ref = [list(cur)], []
+    pair = np.zeros((n, MIN_TOKENS), np.int64)
+    for j in range(STEPS):
+        pair[:, 0] = toks[-1]
+        logits = model.step("step", pair, L + j, 0)[:, 0].copy()
+        ref.append(logits)
+        toks.append([int(x) for x in np.argmax(logits, axis=-1)])
+    seq = np.array(toks[:STEPS], np.int64).T          # [n, STEPS]: the token fed at each position
+    ref = np.stack(ref, axis=1)                       # [n, STEPS, V]
+    worst = 0.0
+    for size in range(MIN_TOKENS + 1, W + 1):      # every verify window a step may run
+        for s0 in range(0, STEPS - size + 1, size):
+            got = win.step("step", seq[:, s0:s0 + size], L + s0, 0)[:, :size].copy()
+            worst = max(worst, float(np.max(np.abs(got - ref[:, s0:s0 + size]))))
+    log.info("window invariance: %d rows x %d positions, %d-token steps vs windows of %d, max |delta| %.3g",
+             n, STEPS, MIN_TOKENS, W, worst)
+    return {"rows": n, "positions": STEPS, "window": W, "min_tokens": MIN_TOKENS, "equal": worst == 0.0,
+            "max_abs_logit_delta": worst}
+
+
+def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,
+          warmup: int = 2) -> dict:
+    """Median ms of one batched step per (T, rows) at `context` tokens of cache, timed
+    interleaved: T = 1, 2 and k+1; rows 1, 2, 4, 8 (several tokens in several rows only where
+    the kernels run them). runtime/batch/policy.BatchCosts reads it."""
+    import statistics
+    import time
+    model = _model(tmp, part, shapes, rows)
+    context = min(context, shapes.max_context - shapes.k - 1)
+    ns = [n for n in (1, 2, 4, 8, 16) if n <= rows]
+    cases = [(T, n) for T in sorted({1, 2, shapes.k + 1}) for n in ns
+             if T == 1 or model.multi_token_rows is None or n <= model.multi_token_rows]
+    times = {c: [] for c in cases}
+    for r in range(warmup + runs):
+        for T, n in cases:
+            toks, starts = np.ones((n, T), np.int64), np.full(n, context, np.int64)
+            t0 = time.perf_counter()
+            model.step("step", toks, starts, 0)
+            if r >= warmup:
+                times[(T, n)].append(time.perf_counter() - t0)
+    target: dict[str, dict[str, float]] = {}
+    for (T, n), v in times.items():
+        target.setdefault(str(T), {})[str(n)] = round(statistics.median(v) * 1e3, 4)
+    return {"target": target, "context": context, "runs": runs}

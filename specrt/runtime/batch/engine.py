@@ -53,21 +53,24 @@ class EngineStats:
 class BatchEngine:
     def __init__(self, target: BatchModel, *, max_num_seqs: int, max_context: int, prefill_tokens: int,
                  k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
-                 draft: BatchModel | None = None, clock=time.monotonic):
-        """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`)."""
+                 draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1):
+        """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
+        min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
+        one-token kernels round differently from the windows a speculating batch verifies
+        (manifest parity window_invariance, build/gates/batch.py)."""
         if max_num_seqs < 1 or max_num_seqs > target.cache.rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {target.cache.rows}] (the cache's rows)")
         self.target, self.draft, self.policy = target, draft, policy
         self.max_num_seqs, self.max_context, self.k_max, self.vocab = max_num_seqs, max_context, k_max, vocab
         self.prefill_tokens = prefill_tokens
-        self.tokenizer, self.clock = tokenizer, clock
+        self.tokenizer, self.clock, self.min_tokens = tokenizer, clock, min_tokens
         self.eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset(eos)
         self.rows: list[Row] = []           # running, in cache rows 0..n-1
         self.pending: Row | None = None     # being prefilled, in cache row len(self.rows)
         self.waiting: collections.deque[Request] = collections.deque()
         self.stats = EngineStats()
         self._lock = threading.Lock()
-        T = max(self._graph_t("verify", k_max + 1), self._graph_t("decode", 2), prefill_tokens, 2)
+        T = max(self._graph_t("verify", k_max + 1), self._graph_t("decode", 2), prefill_tokens, 2, min_tokens)
         self._tokens = np.zeros((max_num_seqs, T), np.int64)     # [n, T] a step's token windows
         self._starts = np.zeros(max_num_seqs, np.int64)          # [n] each row's past length
         self._scratch = np.zeros(vocab, np.float32)
@@ -158,7 +161,7 @@ class BatchEngine:
         if not self.target.graph_tokens.get("prefill", 0):
             # a graph with a symbolic T runs the chunk unpadded (a short prompt's last chunk costs
             # its own tokens); the row is alone in the call, so its T depends on its prompt only
-            T = max(len(chunk), self.target.min_rows)
+            T = max(len(chunk), self.target.min_rows, self.min_tokens)
         self._tokens[0, :T] = 0
         self._tokens[0, :len(chunk)] = chunk
         self._starts[0] = row.length
@@ -290,4 +293,4 @@ class BatchEngine:
         static = self.target.graph_tokens.get(graph, 0)
         if static:
             return static
-        return max(want, -(-self.target.min_rows // n))
+        return max(want, self.min_tokens, -(-self.target.min_rows // n))

@@ -173,12 +173,18 @@ class BatchGenerator:
 
 
 def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: int | None = None,
-               verify: str = "full", buckets: Sequence[int] | None = None, execution: str = "cpu") -> BatchGenerator:
+               verify: str = "full", buckets: Sequence[int] | None = None, execution: str = "cpu",
+               speculate: bool = True) -> BatchGenerator:
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
-    `max_num_seqs` requests at once; each step decodes one token for every running row
-    (plain steps: see docs/batching.md for why the CPU engine does not
-    speculate inside a batch) and prefills one chunk of the next request.
+    `max_num_seqs` requests at once; each step runs every running row one round and
+    prefills one chunk of the next request.
+
+    The round is chosen per step by measured cost (policy.py: plain, a pair round, prompt
+    lookup) when the build showed that a position's logits do not depend on the window they
+    are computed in (manifest parity `window_invariance`) and measured the batched step costs
+    (`build.speculation.batch_costs_ms`); otherwise (ONNX Runtime's CPU GroupQueryAttention
+    graphs: docs/batching.md), or with speculate=False, every step is plain.
 
     buckets: run static row buckets (e.g. (1, 2, 4, 8)) through the device runner with one
     captured graph per bucket (backends/device_batch.py) instead of ONNX Runtime's dynamic
@@ -188,7 +194,6 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
 
     from specrt import manifest as mf
     from specrt.runtime.backends.ort_batch import OrtBatchModel
-    from specrt.runtime.batch.policy import BatchPolicy
     from specrt.runtime.tokenizer import Tokenizer
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or not 1 <= max_num_seqs <= 256:
         raise ConfigError(f"max_num_seqs={max_num_seqs!r}: give an integer in [1, 256]")
@@ -215,7 +220,28 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)
+    policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
-                         vocab=int(entry.dims["vocab"]), policy=BatchPolicy(None, man.shapes.k), tokenizer=tok)
+                         vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens)
     return BatchGenerator(engine, tok, max_queue=max_queue)
+
+
+def _policy(root, man, entry, speculate: bool):
+    """(policy, min_tokens): speculation per step by measured cost where the build showed it
+    cannot change a row's tokens (see open_batch), every pass with at least the windows'
+    min_tokens a row; plain one-token steps otherwise."""
+    from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
+    from specrt.runtime.ngrams import NgramTable
+    from specrt.runtime.proposers import Chain, OneGram, PromptLookup, TableGuess
+    k = man.shapes.k
+    costs = BatchCosts.from_manifest(man.build.get("speculation"))
+    windows = entry.parity.get("window_invariance") or {}
+    if windows.get("equal") is not True:
+        return BatchPolicy(None, k), 1
+    min_tokens = int(windows.get("min_tokens", 2))     # plain steps too: the same tokens with or without speculation
+    if not speculate or costs is None:
+        return BatchPolicy(None, k), min_tokens
+    ngrams = (man.proposers or {}).get("ngrams")
+    table = [TableGuess(NgramTable.load(root / ngrams["file"]))] if ngrams else []
+    return BatchPolicy(costs, k, lookup=PromptLookup(2, k), pair_guess=Chain([OneGram()] + table)), min_tokens
