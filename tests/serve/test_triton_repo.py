@@ -323,8 +323,11 @@ def test_a_full_queue_gets_an_unavailable_error_naming_max_num_seqs(batched, alo
     model = batched(max_num_seqs=1, queue_size=1)
     gate = threading.Event()
     held = [greedy(p, gate=gate) for p in PROMPTS[:2]]      # the row and the one place in the queue
+    execute_returns(model, held)
+    eng = model.batch.engine
+    wait_for(lambda: eng.active == 1 and eng.queued == 1, "one request in the row, one waiting")
     over = greedy(PROMPTS[2])
-    execute_returns(model, [*held, over])
+    execute_returns(model, [over])
     message, code = error_of(over)
     assert code == fake_triton.TritonError.UNAVAILABLE and "max_num_seqs 1" in message and "queue_size 1" in message
     gate.set()
