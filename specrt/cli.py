@@ -149,7 +149,8 @@ def cmd_serve(a) -> int:
 def cmd_triton_repo(a) -> int:
     from specrt.serve.triton import write_triton_repo
     model_dir = write_triton_repo(a.engines, a.out, model_name=a.model_name, instances=a.instances,
-                                  memory=a.memory, copy_engines=a.copy_engines, force=a.force)
+                                  memory=a.memory, copy_engines=a.copy_engines, force=a.force,
+                                  max_num_seqs=a.max_num_seqs, queue_size=a.queue_size)
     print(f"wrote {model_dir} (serve it with: tritonserver --model-repository {a.out})")
     return 0
 
@@ -330,6 +331,9 @@ def make_parser() -> argparse.ArgumentParser:
     tr.add_argument("--instances", type=int, default=1, help="model instances (each loads its own engines)")
     tr.add_argument("--memory", choices=("fast", "shared"), default="fast",
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
+    tr.add_argument("--max-num-seqs", type=int, metavar="N", help="one batched engine per instance decodes up to N "
+                    "requests at once (engines built with `specrt build --batch`; --instances 1 is then right)")
+    tr.add_argument("--queue-size", type=int, default=8, help="with --max-num-seqs: requests that may wait for a row")
     tr.add_argument("--copy-engines", action="store_true",
                     help="copy the engines into the repository (default: refer to their absolute path)")
     tr.add_argument("--force", action="store_true",

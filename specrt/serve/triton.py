@@ -1,5 +1,7 @@
 """`specrt triton-repo ENGINES OUT`: a Triton Inference Server model repository
-(Python backend, decoupled = streaming) that wraps `SpeculativeGenerator`.
+(Python backend, decoupled = streaming) that wraps `SpeculativeGenerator`, or with
+`max_num_seqs` one `BatchGenerator` (engines built with `specrt build --batch`) that serves up
+to N requests at once in one instance.
 
     OUT/
       <model>/
@@ -37,26 +39,37 @@ class TritonRepoError(SpecrtError):
     """The model repository cannot be written as asked."""
 
 
-def config_pbtxt(name: str, engines: str, *, instances: int, memory: str) -> str:
+def config_pbtxt(name: str, engines: str, *, instances: int, memory: str, max_num_seqs: int | None = None,
+                 queue_size: int = 8) -> str:
     ins = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d}{" optional: true" if o else ""} }}'
                      for n, t, d, o in INPUTS)
     outs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in OUTPUTS)
+    params = {"engines": engines, "memory": memory}
+    if max_num_seqs is None:
+        note = "# each instance is its own stub process with its own generator: one request at a time each\n"
+    else:
+        note = (f"# one batched engine per instance serves up to {max_num_seqs} requests at once (execute returns at\n"
+                "# once, the engine thread streams the answers): count 1 is right, each more instance is another\n"
+                "# copy of the weights. queue_size: requests that may wait for a row (then an UNAVAILABLE error)\n")
+        params |= {"max_num_seqs": str(max_num_seqs), "queue_size": str(queue_size)}
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             "# decoupled: one response per streamed text chunk, the last one flagged FINAL\n"
             "model_transaction_policy { decoupled: true }\n"
-            f"input [\n{ins}\n]\noutput [\n{outs}\n]\n"
-            "# each instance is its own stub process with its own generator: one request at a time each\n"
+            f"input [\n{ins}\n]\noutput [\n{outs}\n]\n{note}"
             f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n"
-            f'parameters {{ key: "engines" value: {{ string_value: {json.dumps(engines)} }} }}\n'
-            f'parameters {{ key: "memory" value: {{ string_value: "{memory}" }} }}\n')
+            + "".join(f'parameters {{ key: "{k}" value: {{ string_value: {json.dumps(v)} }} }}\n'
+                      for k, v in params.items()))
 
 
 def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str | None = None, instances: int = 1,
-                      memory: str = "fast", copy_engines: bool = False, force: bool = False) -> Path:
+                      memory: str = "fast", copy_engines: bool = False, force: bool = False,
+                      max_num_seqs: int | None = None, queue_size: int = 8) -> Path:
     """Write the repository; returns the model's folder. Refuses to overwrite a folder that
-    this function did not write (no MARKER in it) unless `force`."""
+    this function did not write (no MARKER in it) unless `force`. max_num_seqs: serve with one
+    batched engine (None: one request at a time per instance); queue_size: requests that may
+    wait for one of its rows."""
     engines = Path(engines).resolve()
-    mf.load(engines)        # a typed error now beats one in Triton's log
+    man = mf.load(engines)        # a typed error now beats one in Triton's log
     name = model_name or engines.name
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise TritonRepoError(f"model name {name!r}: use letters, digits, '_', '-', '.' (pass --model-name)")
@@ -64,6 +77,8 @@ def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str |
         raise TritonRepoError(f"--instances {instances}: give at least 1")
     if memory not in MEMORY_MODES:
         raise TritonRepoError(f"--memory {memory}: choose one of {', '.join(MEMORY_MODES)}")
+    if max_num_seqs is not None:
+        _check_batched(man, engines, max_num_seqs, queue_size)
     _check_destination(Path(out), Path(out) / name, force)
     model = Path(out) / name
     try:
@@ -78,11 +93,23 @@ def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str |
                 (model / "engines").unlink()
             shutil.copytree(engines, model / "engines")
             where = "engines"   # relative: model.py resolves it against the model folder
-        (model / "config.pbtxt").write_text(config_pbtxt(name, where, instances=instances, memory=memory))
+        (model / "config.pbtxt").write_text(config_pbtxt(name, where, instances=instances, memory=memory,
+                                                                max_num_seqs=max_num_seqs, queue_size=queue_size))
     except OSError as e:
         raise TritonRepoError(f"cannot write the model folder {model} ({e.strerror or e}): check that OUT is a "
                               "writable folder with room, or choose another OUT") from None
     return model
+
+
+def _check_batched(man, engines: Path, max_num_seqs: int, queue_size: int) -> None:
+    if man.batch is None:
+        raise TritonRepoError(f"{engines} has no batched model, so --max-num-seqs cannot be served: rebuild the "
+                              "engines with `specrt build ... --batch`, or leave --max-num-seqs out (one request at "
+                              "a time per instance, --instances N)")
+    if not 1 <= max_num_seqs <= 256:        # open_batch's range
+        raise TritonRepoError(f"--max-num-seqs {max_num_seqs}: give an integer in [1, 256]")
+    if queue_size < 0:
+        raise TritonRepoError(f"--queue-size {queue_size}: give 0 (no waiting) or more")
 
 
 def _check_destination(out: Path, model: Path, force: bool) -> None:

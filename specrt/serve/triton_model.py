@@ -1,21 +1,31 @@
-"""Triton Inference Server Python-backend model over `SpeculativeGenerator`.
+"""Triton Inference Server Python-backend model over specrt's runtime.
 
 `specrt triton-repo` copies this file to `<repo>/<model>/1/model.py`. The model is
 decoupled: every accepted text chunk is its own response, and the last response of a
-request carries `finish_reason` and the FINAL flag.
+request carries `finish_reason` and the FINAL flag (or is an error response, FINAL).
 
     inputs   text_input [1] BYTES; optional max_tokens [1] INT32, temperature [1] FP32,
              top_p [1] FP32, seed [1] INT64, stop [-1] BYTES, chat [1] BOOL
     outputs  text_output [1] BYTES, finish_reason [1] BYTES ("" until the last response)
 
-Triton runs every model instance in its own stub process, and calls one instance's
-`execute` one batch at a time, so each instance's generator serves one request at a
-time (`instance_group.count` = concurrent generations). Only `specrt.runtime` is
-imported (numpy, onnxruntime, tokenizers, jinja2): no FastAPI, torch or transformers.
+Two ways to run, chosen by the config's parameters:
+
+    one request at a time (default)   a `SpeculativeGenerator`; `execute` serves its requests
+                                       one after another; `instance_group.count` = concurrent
+                                       generations (each instance is its own stub process)
+    batched (max_num_seqs = N)         one `BatchGenerator` (`specrt build --batch` engines):
+                                       `execute` submits and returns at once; the engine thread
+                                       streams every request through its response sender, so
+                                       one instance serves N at once (count 1)
+
+Only `specrt.runtime` is imported (numpy, onnxruntime, tokenizers, jinja2): no FastAPI,
+torch or transformers.
 """
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +36,7 @@ except ImportError:         # outside Triton; tests inject a stand-in module
     pb_utils = None
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "max_context": "length"}
+log = logging.getLogger("specrt.triton")
 
 
 def _scalar(request, name: str, default):
@@ -42,58 +53,171 @@ def _text(v) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
 
+def _inputs(request) -> tuple[str, dict]:
+    """The request's prompt and the generator keywords both paths share (raises on bad input)."""
+    from specrt.runtime import SamplingParams
+    prompt = _text(_scalar(request, "text_input", b""))
+    stop_t = pb_utils.get_input_tensor_by_name(request, "stop")
+    seed = _scalar(request, "seed", None)
+    sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
+                              top_p=float(_scalar(request, "top_p", 1.0)), seed=None if seed is None else int(seed))
+    return prompt, {"max_new_tokens": int(_scalar(request, "max_tokens", 128)), "sampling": sampling,
+                    "stop": [_text(s) for s in stop_t.as_numpy().reshape(-1)] if stop_t is not None else [],
+                    "chat": bool(_scalar(request, "chat", False))}
+
+
 def _response(text: str, finish: str = ""):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("finish_reason", np.array([finish.encode("utf-8")], dtype=np.object_))])
 
 
+def _error(message: str, code: str | None = None):
+    """An error response; `code` names a TritonError code when this Triton has it."""
+    c = getattr(pb_utils.TritonError, code, None) if code else None
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, *(() if c is None else (c,))))
+
+
+def _bad_input(e: Exception):
+    return _error(f"{type(e).__name__}: {e}", "INVALID_ARG")
+
+
+def _bad_input_types():
+    from specrt.errors import SpecrtError
+    return SpecrtError, ValueError, UnicodeDecodeError
+
+
+class _Answer:
+    """One request on the batched engine. `sink` runs on the engine thread: each Delta's text
+    is a response, Done the FINAL one; exactly one FINAL, whatever ends the request (done,
+    failed, cancelled by the client, the model unloaded). It never raises: an exception out of
+    a sink would fail the engine step and so every other running request. `on_final()` runs
+    once, when the request is answered for good."""
+
+    def __init__(self, request, on_final):
+        self.request, self.sender, self.on_final = request, request.get_response_sender(), on_final
+        self.handle = None              # set once submit returns; the sink may run before that
+        self.final = False
+        self._lock = threading.Lock()
+
+    def sink(self, ev) -> None:
+        from specrt.runtime.batch.request import Delta, Done, Failed
+        try:
+            if self.final:
+                return
+            if isinstance(ev, Delta):
+                if self.request.is_cancelled():
+                    self.finish(_error("cancelled by the client", "CANCELLED"))
+                elif ev.text:
+                    self.sender.send(_response(ev.text))
+            elif isinstance(ev, Done):
+                if ev.finish_reason in ("cancelled", "timeout"):    # finalize() (a client's cancel ended it already)
+                    self.finish(_error("cancelled: the model is being unloaded; retry", "CANCELLED"))
+                else:
+                    self.finish(_response("", FINISH.get(ev.finish_reason, "stop")))
+            elif isinstance(ev, Failed):
+                log.error("batched generation failed: %s", ev.error)
+                self.finish(_error(f"generation failed ({type(ev.error).__name__}: {ev.error})", "INTERNAL"))
+        except Exception:
+            log.exception("sending a response failed: the request is dropped")
+            self._end()
+
+    def finish(self, response) -> None:
+        if self._end():
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def submitted(self, handle) -> None:
+        with self._lock:
+            self.handle = handle
+            ended = self.final      # the sink ended it before submit returned
+        if ended:
+            handle.cancel()
+
+    def _end(self) -> bool:
+        """Mark the request answered (True the first time only) and free its row at the
+        engine's next step (a no-op once the engine sent Done)."""
+        with self._lock:
+            if self.final:
+                return False
+            self.final, h = True, self.handle
+        if h is not None:
+            h.cancel()
+        self.on_final()
+        return True
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from specrt import manifest as mf
-        from specrt.runtime import SpeculativeGenerator
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         engines = Path(params["engines"])
         if not engines.is_absolute():       # copied into the model folder (--copy-engines)
             engines = Path(args["model_repository"]) / engines
+        self.gen = self.batch = None
+        self.max_num_seqs = int(params.get("max_num_seqs") or 0)
+        if self.max_num_seqs:
+            from specrt.runtime.batch.generator import open_batch
+            self.queue_size = int(params.get("queue_size") or 0)
+            self._open, self._open_lock = 0, threading.Lock()     # requests submitted and not answered yet
+            # the engine's own bound is a backstop; execute checks running + waiting first
+            self.batch = open_batch(engines, max_num_seqs=self.max_num_seqs,
+                                    max_queue=self.max_num_seqs + self.queue_size)
+            return
+        from specrt.runtime import SpeculativeGenerator
         self.method = "speculative" if mf.load(engines).draft is not None else "plain"
         self.gen = SpeculativeGenerator(engines, memory=params.get("memory", "fast"), methods=(self.method,))
 
     def execute(self, requests):
         for request in requests:
-            self._serve(request)
+            if self.batch is not None:
+                self._submit(request)       # returns at once: the engine thread answers
+            else:
+                self._serve(request)
         return None     # decoupled: every answer goes through a response sender
 
+    def _submit(self, request):
+        from specrt.errors import OverloadedError
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        answer = _Answer(request, self._answered)
+        with self._open_lock:
+            full, running = self._open >= self.max_num_seqs + self.queue_size, self._open
+            self._open += not full
+        if full:
+            answer.sender.send(_error(
+                f"{running} requests are running or waiting (max_num_seqs {self.max_num_seqs} + queue_size "
+                f"{self.queue_size}): retry later, or rewrite the repository with a larger "
+                "`specrt triton-repo --max-num-seqs` or `--queue-size`", "UNAVAILABLE"), flags=final)
+            return
+        try:
+            prompt, kw = _inputs(request)
+            answer.submitted(self.batch.submit(prompt, sink=answer.sink, **kw))
+        except OverloadedError as e:
+            answer.finish(_error(f"{e} (max_num_seqs {self.max_num_seqs}, queue_size {self.queue_size})",
+                                 "UNAVAILABLE"))
+        except _bad_input_types() as e:
+            answer.finish(_bad_input(e))
+
+    def _answered(self) -> None:
+        with self._open_lock:
+            self._open -= 1
+
     def _serve(self, request):
-        from specrt.errors import SpecrtError
-        from specrt.runtime import SamplingParams
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         stream = None
         try:
-            prompt = _text(_scalar(request, "text_input", b""))
-            stop_t = pb_utils.get_input_tensor_by_name(request, "stop")
-            stop = [_text(s) for s in stop_t.as_numpy().reshape(-1)] if stop_t is not None else []
-            seed = _scalar(request, "seed", None)
-            sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
-                                      top_p=float(_scalar(request, "top_p", 1.0)),
-                                      seed=None if seed is None else int(seed))
-            stream = self.gen.stream(prompt, max_new_tokens=int(_scalar(request, "max_tokens", 128)),
-                                     sampling=sampling, stop=stop, chat=bool(_scalar(request, "chat", False)),
-                                     method=self.method)
+            prompt, kw = _inputs(request)
+            stream = self.gen.stream(prompt, method=self.method, **kw)
             for chunk in stream:        # arguments are checked at the first step
                 if request.is_cancelled():
-                    code = getattr(pb_utils.TritonError, "CANCELLED", None)
-                    err = pb_utils.TritonError("cancelled by the client", *(() if code is None else (code,)))
-                    sender.send(pb_utils.InferenceResponse(error=err), flags=final)
+                    sender.send(_error("cancelled by the client", "CANCELLED"), flags=final)
                     return
                 if chunk.text:
                     sender.send(_response(chunk.text))
             finish = FINISH.get(self.gen.last_metrics.finish_reason, "stop")
-        except (SpecrtError, ValueError, UnicodeDecodeError) as e:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(e).__name__}: {e}")),
-                        flags=final)
+        except _bad_input_types() as e:
+            sender.send(_bad_input(e), flags=final)
             return
         finally:
             if stream is not None:
@@ -101,4 +225,6 @@ class TritonPythonModel:
         sender.send(_response("", finish), flags=final)
 
     def finalize(self):
-        self.gen = None
+        if self.batch is not None:
+            self.batch.close()      # running and waiting requests end with a FINAL error (see _Answer)
+        self.gen = self.batch = None

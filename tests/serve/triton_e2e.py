@@ -8,6 +8,7 @@ specrt's runtime, ~400 MB). Run it with that environment's interpreter:
     /tmp/triton-venv/bin/pip install nvidia-pytriton 'numpy<2' onnxruntime onnx tokenizers jinja2
     /tmp/triton-venv/bin/pip install --no-deps -e .
     /tmp/triton-venv/bin/python tests/serve/triton_e2e.py ENGINES [--instances 2]
+    /tmp/triton-venv/bin/python tests/serve/triton_e2e.py ENGINES --max-num-seqs 4   # batched (--batch engines)
 
 It sets what the bundled server needs (REFERENCE.md section 6): the interpreter's
 libpython directory and `nvidia_pytriton.libs` on LD_LIBRARY_PATH, the environment's
@@ -77,17 +78,30 @@ def generate_stream(url: str, body: dict) -> tuple[str, str, list]:
     return text, (events[-1].get("finish_reason", "") if events else ""), events
 
 
+def cut_stream(url: str) -> bool:
+    """Read the first response of a long stream, then close the connection."""
+    body = json.dumps({"text_input": "Once upon a time", "max_tokens": 200}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return any(line.startswith(b"data: ") for line in r)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("engines")
     ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, help="serve with one batched engine (one instance)")
     a = ap.parse_args()
     from specrt.runtime import SamplingParams, SpeculativeGenerator
+    from specrt.runtime.batch.generator import open_batch
     from specrt.serve.triton import write_triton_repo
+    if a.max_num_seqs:
+        a.instances = 1
 
     work = Path(tempfile.mkdtemp(prefix="specrt-triton-"))
     binary, backends, env = environment(work)
-    write_triton_repo(a.engines, work / "repo", model_name="specrt", instances=a.instances)
+    write_triton_repo(a.engines, work / "repo", model_name="specrt", instances=a.instances,
+                      max_num_seqs=a.max_num_seqs)
     http, grpc, metrics = free_port(), free_port(), free_port()
     log = open(work / "tritonserver.log", "w")
     t0 = time.perf_counter()
@@ -117,13 +131,16 @@ def main() -> int:
         if failures:
             return 1
         print(urllib.request.urlopen(base + "/v2", timeout=10).read().decode()[:200])
-        gen = SpeculativeGenerator(a.engines, methods=("speculative",))
+        # the reference: the same engine serving one request at a time
+        gen = (open_batch(a.engines, max_num_seqs=1) if a.max_num_seqs else
+               SpeculativeGenerator(a.engines, methods=("speculative",)))
+        name = type(gen).__name__
         url = base + "/v2/models/specrt/generate_stream"
 
         for prompt, n, chat in (("Once upon a time", 24, False), ("Name three colors.", 32, True)):
             text, finish, events = generate_stream(url, {"text_input": prompt, "max_tokens": n, "chat": chat})
             want = gen.generate(prompt, max_new_tokens=n, chat=chat)
-            check(text == want.text, f"greedy {'chat' if chat else 'text'} stream == SpeculativeGenerator.generate "
+            check(text == want.text, f"greedy {'chat' if chat else 'text'} stream == {name}.generate "
                                      f"({len(events)} responses, finish_reason={finish!r}): {text[:60]!r}")
         text, _, _ = generate_stream(url, {"text_input": "Hello", "max_tokens": 20, "temperature": 0.75,
                                            "top_p": 0.9, "seed": 3})
@@ -136,7 +153,11 @@ def main() -> int:
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
             got = dict(zip(prompts, ex.map(lambda p: generate_stream(url, {"text_input": p, "max_tokens": 16})[0],
                                            prompts)))
-        check(got == want, f"{len(prompts)} concurrent streams on {a.instances} instances each == its solo output")
+        check(got == want, f"{len(prompts)} concurrent streams on {a.instances} instances"
+                           f"{f' (max_num_seqs {a.max_num_seqs})' if a.max_num_seqs else ''} each == its solo output")
+        if a.max_num_seqs:
+            check(cut_stream(url) and generate_stream(url, {"text_input": "abc", "max_tokens": 16})[0] == want["abc"],
+                  "a client that leaves mid-stream: the next request is answered right")
 
         _, _, events = generate_stream(url, {"text_input": "Hi", "temperature": -1.0})
         check(len(events) == 1 and "SamplingParamsError" in events[0].get("error", ""),
