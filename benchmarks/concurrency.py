@@ -60,7 +60,6 @@ class System:
     path: Path           # engine folder, model folder or GGUF
     needs: tuple = ()    # other files it cannot run without (a venv's python, a binary)
     only_clients: int | None = None   # runs at this level only (the single-stream reference)
-    build: str = ""      # how to make `path`, where the kind's default command does not
 
     @property
     def missing(self) -> str | None:
@@ -70,7 +69,7 @@ class System:
                "openvino": "make venv-openvino && .venv/bin/python benchmarks/run_peers.py build"}[self.kind]
         for p in (self.path, *self.needs):
             if not p.exists():
-                return f"{p} does not exist: run `{self.build or how}`"
+                return f"{p} does not exist: run `{how}`"
         return None
 
 
@@ -79,10 +78,6 @@ SYSTEMS = {s.name: s for s in [
     System("specrt-int4", "specrt serve int4", "specrt-server", ROOT / "artifacts/smollm2-int4"),
     System("specrt-fp32-alt", "specrt serve fp32, alt args", "specrt-server", ROOT / "artifacts/smollm2"),
     System("specrt-int4-alt", "specrt serve int4, alt args", "specrt-server", ROOT / "artifacts/smollm2-int4"),
-    System("specrt-int4-std", "specrt serve int4 --attention standard", "specrt-server",
-           ROOT / "artifacts/smollm2-int4-std",
-           build="specrt build --preset smollm2 --precision int4 --batch --attention standard "
-                 "--out artifacts/smollm2-int4-std"),
     System("specrt-fp32-stream", "specrt fp32 single stream", "specrt-stream", ROOT / "artifacts/smollm2",
            only_clients=1),
     System("specrt-int4-stream", "specrt int4 single stream", "specrt-stream", ROOT / "artifacts/smollm2-int4",
