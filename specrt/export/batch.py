@@ -25,6 +25,10 @@ Per variant, what carries the rows' lengths:
   offset) and an Attention mask [B, 1, T, M]: j <= past_len[b] + t.
 - "portable": a cache mask [B, 1, 1, M]: j < past_len[b], and the causal mask of the window.
 
+Sliding-window layers (Gemma 2/3, Mistral with a window shorter than the cache): "gqa"
+through GroupQueryAttention's local_window_size (graph.py's layers, unchanged), "standard"
+with one more mask term per row, j > past_len[b] + t - window; "portable" refuses them.
+
     past_len [B] ─┬─ + arange(T) ─ pos [B, T] ─ rotary / learned positions / masks
                   └─ (gqa) + T - 1 ─ seqlens_k [B] int32;  max + T ─ total_sequence_length
 """
@@ -55,10 +59,9 @@ class BatchedDecoder(StaticDecoder):
             assert v == DYNAMIC or (isinstance(v, int) and v >= 1), (name, v)
         super().__init__(spec, dims, sd, tokens=tokens if tokens != DYNAMIC else TRACE_TOKENS,
                          kv_capacity=kv_capacity, **kw)
-        if any(layer.window is not None for layer in self.layers):
-            raise ExportError("the model has sliding-window layers, which the batched graphs do not export yet "
-                              "(the one-row graphs do): serve it without --max-num-seqs, or build with a "
-                              "--max-context no longer than its window")
+        if self.attention == "portable" and any(layer.window is not None for layer in self.layers):
+            raise ExportError("the model has sliding-window layers, which the batched portable graph does not "
+                              "export: build with --attention gqa (the default) or standard")
         self.B, self.T = batch, tokens
         del self.causal, self.step_pos      # built in the graph from T (which may be symbolic)
 
@@ -88,10 +91,14 @@ class BatchedDecoder(StaticDecoder):
             return self._rows_gqa(x, past_len, T, past)
         ropes = self._ropes_rows(pos)
         if self.attention == "standard":
-            attend = (self.cache_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)   # [B, 1, T, M]
+            # row b's token t attends to cache rows j <= pos[b, t]; in a sliding-window layer only
+            # to j > pos[b, t] - window (graph.py's _forward_standard, per row)
+            causal = self.cache_pos[None, None, :] <= pos[:, :, None]                     # [B, T, M]
+            attend = {w: (causal if w is None else causal & (self.cache_pos[None, None, :] > (pos - w)[:, :, None]))
+                      .unsqueeze(1) for w in {layer.window for layer in self.layers}}    # [B, 1, T, M] bool
             present = []
             for i, layer in enumerate(self.layers):
-                x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend,
+                x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend[layer.window],
                                                  ropes[layer.rotary])
                 present += [k, v]
             return (self._head(x), *present)

@@ -245,3 +245,35 @@ def test_rowwise_int8_is_one_scale_per_row_and_per_channel_weights():
     np.testing.assert_allclose(y, (xq @ q.astype(np.float32)) * s * ws, rtol=1e-5, atol=1e-6)
     for i in range(9):
         np.testing.assert_array_equal(sess.run(None, {"x": x[i:i + 1]})[0][0], y[i])
+
+
+@pytest.fixture(scope="module", params=["gemma3_text"])
+def windowed(request, tmp_path_factory):
+    """A tiny model with sliding-window layers (window 6, shorter than most rows' lengths) and
+    global ones, each with its own rotary table: attention -> (one-row graphs, batched graph)."""
+    tmp = tmp_path_factory.mktemp(f"window-{request.param}")
+    lm = sources.load_source(make_tiny_model_dir(tmp / "model", request.param, layers=LAYERS))
+    assert any(lm.dims.window(i) for i in range(LAYERS))
+    out = {}
+    for att, graphs in (("gqa", ("decode",)), ("standard", ("prefill", "decode", "verify"))):
+        onnx_export.export_model(lm, SHAPES, tmp / f"one-{att}", attention=att, graphs=graphs)
+        onnx_export.export_model(lm, SHAPES, tmp / f"batched-{att}", attention=att, batch="dynamic",
+                                 tokens={"step": "dynamic"})
+        out[att] = (tmp / f"one-{att}", _session(tmp / f"batched-{att}" / "step.onnx"))
+    return lm, out
+
+
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_sliding_window_rows_are_the_one_row_graph_bit_for_bit(windowed, T):
+    _, out = windowed
+    one_dir, batched = out["standard"]
+    _check_rows_against_one_row_graph(one_dir, batched, LENS, T)
+    if T == 1:       # CPU GQA runs several rows of one token (local_window_size, above)
+        _check_rows_against_one_row_graph(*out["gqa"], LENS, T)
+
+
+def test_the_portable_batched_graph_refuses_sliding_windows(windowed, tmp_path):
+    from specrt.errors import ExportError
+    with pytest.raises(ExportError, match="--attention gqa"):
+        onnx_export.export_model(windowed[0], SHAPES, tmp_path, attention="portable", batch="dynamic",
+                                 tokens={"step": "dynamic"})
