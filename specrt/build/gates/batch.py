@@ -176,22 +176,19 @@ def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, r
     """Median ms of one batched step per (T, rows) at `context` tokens of cache, timed
     interleaved: T = 1, 2 and k+1; rows 1, 2, 4, 8 (several tokens in several rows only where
     the kernels run them). runtime/batch/policy.BatchCosts reads it."""
-    import statistics
-    import time
+    from specrt.build.gates.plan import interleaved_ms
     model = _model(tmp, part, shapes, rows)
     context = min(context, shapes.max_context - shapes.k - 1)
     ns = [n for n in (1, 2, 4, 8, 16) if n <= rows]
     cases = [(T, n) for T in sorted({1, 2, shapes.k + 1}) for n in ns
              if T == 1 or model.multi_token_rows is None or n <= model.multi_token_rows]
-    times = {c: [] for c in cases}
-    for r in range(warmup + runs):
-        for T, n in cases:
-            toks, starts = np.ones((n, T), np.int64), np.full(n, context, np.int64)
-            t0 = time.perf_counter()
-            model.step("step", toks, starts, 0)
-            if r >= warmup:
-                times[(T, n)].append(time.perf_counter() - t0)
+
+    def step(T: int, n: int):
+        toks, starts = np.ones((n, T), np.int64), np.full(n, context, np.int64)
+        return lambda: model.step("step", toks, starts, 0)
+
+    ms = interleaved_ms({c: step(*c) for c in cases}, runs=runs, warmup=warmup)
     target: dict[str, dict[str, float]] = {}
-    for (T, n), v in times.items():
-        target.setdefault(str(T), {})[str(n)] = round(statistics.median(v) * 1e3, 4)
+    for (T, n), v in ms.items():
+        target.setdefault(str(T), {})[str(n)] = v
     return {"target": target, "context": context, "runs": runs}

@@ -31,21 +31,28 @@ def step_costs(target_dir: Path, target: dict, draft_dir: Path | None, draft: di
     context = min(context, shapes.max_context - shapes.k - 1)
     t = GraphSet(target_dir, {g: target["graphs"][g] for g in ("decode", "verify")}, target["dims"],
                  shapes.kv_capacity)
-    steps = {"target_decode": (t.model, "decode", [1]), "target_verify": (t.model, "verify", [1] * (shapes.k + 1))}
+    steps = {"target_decode": lambda: t.model.step("decode", [1], context),
+             "target_verify": lambda: t.model.step("verify", [1] * (shapes.k + 1), context)}
     if draft is not None:
         d = GraphSet(draft_dir, {"decode": draft["graphs"]["decode"]}, draft["dims"], shapes.kv_capacity)
-        steps["draft_decode"] = (d.model, "decode", [1])
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(warmup + runs):
-        for name, (model, graph, ids) in steps.items():
-            t0 = time.perf_counter()
-            model.step(graph, ids, context)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    out = {name: round(statistics.median(v) * 1e3, 4) for name, v in times.items()}
+        steps["draft_decode"] = lambda: d.model.step("decode", [1], context)
+    out = interleaved_ms(steps, runs=runs, warmup=warmup)
     out["context"] = context
     out["runs"] = runs
     return out
+
+
+def interleaved_ms(steps: dict, *, runs: int, warmup: int) -> dict:
+    """name -> median milliseconds of calling steps[name](), the steps timed in turn
+    (interleaved, so a load change hits them all alike) after `warmup` untimed rounds."""
+    times: dict = {name: [] for name in steps}
+    for r in range(warmup + runs):
+        for name, run in steps.items():
+            t0 = time.perf_counter()
+            run()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: round(statistics.median(v) * 1e3, 4) for name, v in times.items()}
 
 
 def plan(costs_ms: dict, acceptance: float | None, k_max: int) -> dict:

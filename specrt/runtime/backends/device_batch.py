@@ -39,7 +39,7 @@ from specrt.errors import BackendError, ConfigError, ManifestError
 from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, Step
 from specrt.runtime.backends.lifecycle import GraphLifecycle
-from specrt.runtime.backends.ort_batch import batch_graphs
+from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, check_multi_token_rows
 from specrt.runtime.backends.ort_cpu import DTYPES, check_weights_file, io_dtypes, session_options
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -182,7 +182,7 @@ class DeviceBatchModel:
         self.graph_tokens = {"prefill": shapes.prefill_chunk, "decode": 1, "verify": shapes.k + 1}
         self.min_rows = int(entry.io.get("min_rows", 1))
         # ONNX Runtime's CPU GroupQueryAttention runs several tokens per row for one row only
-        self.multi_token_rows = 1 if execution == "cpu" else None
+        self.multi_token_rows = 1 if execution == "cpu" and OrtBatchModel._attention(root, entry) == "gqa" else None
         self.lifecycle = GraphLifecycle(self.device, warmup=warmup, enabled=cuda_graphs)
         self._calls: dict[tuple, _Call] = {}
 
@@ -196,9 +196,7 @@ class DeviceBatchModel:
         else:
             assert first_row == 0, first_row       # running rows are 0..n-1 (the engine keeps them contiguous)
             b = bucket_for(n, self.plan, -(-self.min_rows // T))
-        if self.multi_token_rows is not None and T > 1 and b > self.multi_token_rows:
-            raise BackendError(f"{b} rows of {T} tokens in one call: GroupQueryAttention on the CPU runs several "
-                               f"tokens per row for at most {self.multi_token_rows} row(s)")
+        check_multi_token_rows(self.multi_token_rows, b, T)
         call = self._call(graph, b, T, first_row)
         ids, past = call.ids_host.array, call.past_host.array
         ids[:n] = tokens

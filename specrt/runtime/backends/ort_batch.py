@@ -109,9 +109,7 @@ class OrtBatchModel:
 
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
         n, T = tokens.shape
-        if self.multi_token_rows is not None and T > 1 and n > self.multi_token_rows:
-            raise BackendError(f"{n} rows of {T} tokens in one call: these GroupQueryAttention graphs run several "
-                               f"tokens per row for at most {self.multi_token_rows} row(s) on the CPU")
+        check_multi_token_rows(self.multi_token_rows, n, T)
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
         assert first_row + n <= self.rows, (first_row, n, self.rows)
         static = self.graph_tokens[graph]
@@ -167,6 +165,14 @@ class OrtBatchModel:
         return entry[:5]
 
 
+def check_multi_token_rows(limit: int | None, n: int, T: int) -> None:
+    """Refuse n rows of T > 1 tokens where the kernels run several tokens for at most `limit`
+    rows (ONNX Runtime's CPU GroupQueryAttention: 1; None: no limit)."""
+    if limit is not None and T > 1 and n > limit:
+        raise BackendError(f"{n} rows of {T} tokens in one call: these GroupQueryAttention graphs run several "
+                           f"tokens per row for at most {limit} row(s) on the CPU")
+
+
 def _session(path: Path, threads: int) -> ort.InferenceSession:
     if not path.is_file():
         raise GraphFileError(f"graph file {path} is missing: rebuild the engines")
@@ -183,4 +189,4 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
                            "(`specrt inspect` lists it), or rebuild them") from e
 
 
-__all__ = ["BatchKV", "OrtBatchModel", "batch_graphs", "ORT_TYPES"]
+__all__ = ["BatchKV", "OrtBatchModel", "batch_graphs", "check_multi_token_rows", "ORT_TYPES"]
