@@ -187,9 +187,9 @@ def test_a_failed_final_move_keeps_the_previous_build_and_the_partial_folder_is_
 
 SLOW_BUILD = """
 import sys, time
-from specrt.config import BuildConfig
+from specrt.build.config import BuildConfig
 from specrt.export import sources
-from specrt.pipeline import build
+from specrt.build.pipeline import build
 
 def slow(*a, **k):
     print("building", flush=True)
