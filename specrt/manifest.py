@@ -35,6 +35,9 @@ IO_NAMES = {
     "present_key": "present_k_%d",      # in-place variant: the whole cache, same buffer as past
     "present_value": "present_v_%d",
 }
+# the batched graphs' (export/batch.py) input choosing which positions get logits; graphs
+# built before it have none and return every position's logits
+LOGIT_POS = "logit_pos"
 KV_UPDATES = ("returned", "in_place")   # ModelEntry.kv["update"]
 PER_LAYER_IO = tuple(k for k, v in IO_NAMES.items() if "%d" in v)
 

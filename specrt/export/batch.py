@@ -5,9 +5,10 @@ T static or the symbolic dim "tokens"):
 
     inputs   input_ids  [B, T] int64
              past_len   [B]    int64      tokens already in row b's cache
+             logit_pos  [B, P] int64      which of row b's T positions get logits (P symbolic)
              past_k_{i} [B, KVH, M, D]    M = kv capacity; row b is sequence b's cache
              past_v_{i} [B, KVH, M, D]
-    outputs  logits     [B, T, V]  float32
+    outputs  logits     [B, P, V]  float32    logits[b, p] = the logits at position logit_pos[b, p]
              present_k_{i}/present_v_{i} [B, KVH, M, D]   "gqa", "standard": the cache, in place
              new_k_{i}/new_v_{i}         [B, KVH, T, D]   "portable": returned, the caller writes them
 
@@ -15,7 +16,13 @@ Row b's tokens sit at positions past_len[b] .. past_len[b]+T-1; the row attends 
 cache rows [0, past_len[b]) and causally within its window, never to another row. A row with
 fewer than T real tokens is padded at its end: the padding writes K/V past the row's length,
 where nothing reads it (as today's padded prefill chunk). At B=1 the inputs and outputs are
-exactly graph.py's one-row contract.
+exactly graph.py's one-row contract, with logit_pos = [[0..T-1]].
+
+logit_pos: a prefill chunk needs the logits of its last position only, and the LM head
+(V x C) is ~20% of a chunk's cost; decode and verify windows bind all T positions. The
+positions are gathered after the final norm (which stays fused with the last residual Add),
+so the LM head runs over B*P rows. Every row's logits are computed by the same kernels as
+before; callers keep the LM head's rows >= the manifest's min_rows (build/gates/rows.py).
 
 Per variant, what carries the rows' lengths:
 - "gqa": GroupQueryAttention's seqlens_k [B] int32 = past_len + T - 1 (row b's total length
@@ -41,10 +48,10 @@ from specrt.export.graph import StaticDecoder
 from specrt.export.rotary import cos_sin
 
 DYNAMIC = "dynamic"
-BATCH_DIM, TOKENS_DIM = "batch", "tokens"     # the ONNX names of the symbolic dims
+BATCH_DIM, TOKENS_DIM, POSITIONS_DIM = "batch", "tokens", "positions"   # the ONNX names of the symbolic dims
 # example sizes the exporter traces a symbolic dim with: >= 2 (torch.export specialises 0 and 1)
-# and different from each other, so no guard can tie B to T
-TRACE_BATCH, TRACE_TOKENS = 2, 3
+# and different from each other, so no guard can tie B to T or P
+TRACE_BATCH, TRACE_TOKENS, TRACE_POSITIONS = 2, 3, 4
 
 
 class BatchedDecoder(StaticDecoder):
@@ -70,21 +77,22 @@ class BatchedDecoder(StaticDecoder):
         B = TRACE_BATCH if self.B == DYNAMIC else self.B
         T = TRACE_TOKENS if self.T == DYNAMIC else self.T
         return (torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                torch.zeros(B, TRACE_POSITIONS, dtype=torch.int64),
                 *[torch.zeros(B, d.kv_heads, self.M, d.head_dim, dtype=self.dtype) for _ in range(2 * d.layers)])
 
-    def dynamic_shapes(self) -> tuple | None:
-        """input_ids {0: batch, 1: tokens}, past_len {0: batch}, caches {0: batch}: named
-        dims, so the ONNX graph's inputs and outputs read [batch, tokens] / [batch, 3, M, 64]."""
+    def dynamic_shapes(self) -> tuple:
+        """input_ids {0: batch, 1: tokens}, past_len {0: batch}, logit_pos {0: batch, 1:
+        positions}, caches {0: batch}: named dims, so the ONNX graph's inputs and outputs read
+        [batch, tokens] / [batch, 3, M, 64]. P is symbolic even in a static bucket."""
         b = {0: BATCH_DIM} if self.B == DYNAMIC else {}
         t = {1: TOKENS_DIM} if self.T == DYNAMIC else {}
-        if not b and not t:
-            return None
-        # structured as forward's parameters: input_ids, past_len, then *past as one tuple
-        return ({**b, **t}, dict(b), tuple(dict(b) for _ in range(2 * self.dims.layers)))
+        # structured as forward's parameters: input_ids, past_len, logit_pos, then *past as one tuple
+        return ({**b, **t}, dict(b), {**b, 1: POSITIONS_DIM}, tuple(dict(b) for _ in range(2 * self.dims.layers)))
 
-    def forward(self, input_ids, past_len, *past):
-        # input_ids: [B, T]; past_len: [B]; past: 2*L tensors [B, KVH, M, D]
+    def forward(self, input_ids, past_len, logit_pos, *past):
+        # input_ids: [B, T]; past_len: [B]; logit_pos: [B, P]; past: 2*L tensors [B, KVH, M, D]
         B, T = input_ids.shape
+        self._positions = logit_pos
         pos = past_len[:, None] + torch.arange(T)[None, :]                    # [B, T]
         x = self._embed(input_ids, pos)                                       # [B, T, C]
         if self.attention == "gqa":
@@ -110,6 +118,12 @@ class BatchedDecoder(StaticDecoder):
             x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, causal, ropes[layer.rotary])
             new_kv += [k, v]
         return (self._head(x), *new_kv)
+
+    def _head(self, x):
+        # [B, T, C] -> the final norm over all T -> the P rows of logit_pos -> logits [B, P, V]
+        x = self._final_norm(x)
+        idx = self._positions[:, :, None].expand(-1, -1, x.shape[-1])          # [B, P, C]
+        return self._logits(torch.gather(x, 1, idx))
 
     def _embed(self, input_ids, pos):
         # [B, T] ids -> [B, T, C]; a tied model gathers columns of the [C, V] head

@@ -232,7 +232,12 @@ class StaticDecoder(nn.Module):
         return (self._head(x), *present)
 
     def _head(self, x):
-        x = _norm(self.spec, x, self.final_norm, self.final_norm_bias, self.dims.eps)
+        return self._logits(self._final_norm(x))
+
+    def _final_norm(self, x):
+        return _norm(self.spec, x, self.final_norm, self.final_norm_bias, self.dims.eps)
+
+    def _logits(self, x):
         logits = x @ self.lm_head                                           # [1, T, V]
         logits = logits if logits.dtype == torch.float32 else logits.float()   # logits stay fp32 at the IO
         cap = self.dims.final_softcap

@@ -54,12 +54,13 @@ def _replace_layers(dims, layers):
     return replace(dims, layers=layers)
 
 
-def io_names(layers: int, in_place: bool = False) -> tuple[list[str], list[str]]:
+def io_names(layers: int, in_place: bool = False, batched: bool = False) -> tuple[list[str], list[str]]:
+    """batched: the per-row contract's inputs (export/batch.py), with logit_pos after past_len."""
     n = mf.IO_NAMES
     out = ("present_key", "present_value") if in_place else ("new_key", "new_value")
     past = [n[kv] % i for i in range(layers) for kv in ("past_key", "past_value")]
     new = [n[kv] % i for i in range(layers) for kv in out]
-    return [n["input_ids"], n["past_len"], *past], [n["logits"], *new]
+    return [n["input_ids"], n["past_len"], *([mf.LOGIT_POS] if batched else []), *past], [n["logits"], *new]
 
 
 EXPORTER_LOGGER = "torch.onnx._internal.exporter._registration"
@@ -91,7 +92,8 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     of build/gates/rows.py) gets the same graph for the same module."""
     d, T = module.dims, module.T
     args = module.example_inputs()
-    inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE)
+    inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE,
+                               batched=isinstance(module, BatchedDecoder))
     quiet = io.StringIO()
     # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar
     try:

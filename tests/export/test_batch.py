@@ -41,8 +41,26 @@ def exports(llama):
     return out
 
 
+class _Session:
+    """An InferenceSession that binds logit_pos (batched graphs) to every position unless the
+    feeds name it, so a batched call compares with the one-row graphs' [T, V] logits."""
+
+    def __init__(self, path):
+        self.sess = ort.InferenceSession(str(path), session_options(2), providers=["CPUExecutionProvider"])
+        self.positions = any(i.name == "logit_pos" for i in self.sess.get_inputs())
+
+    def run(self, names, feeds):
+        if self.positions and "logit_pos" not in feeds:
+            B, T = feeds["input_ids"].shape
+            feeds = {**feeds, "logit_pos": np.tile(np.arange(T, dtype=np.int64), (B, 1))}
+        return self.sess.run(names, feeds)
+
+    def get_outputs(self):
+        return self.sess.get_outputs()
+
+
 def _session(path):
-    return ort.InferenceSession(str(path), session_options(2), providers=["CPUExecutionProvider"])
+    return _Session(path)
 
 
 def _feeds(ids, lens, caches):
@@ -116,10 +134,29 @@ def test_batched_graphs_have_symbolic_batch_and_tokens(exports):
                 for t in [*proto.graph.input, *proto.graph.output]}
         M = SHAPES.kv_capacity
         assert dims["input_ids"] == ["batch", "tokens"] and dims["past_len"] == ["batch"], att
-        assert dims["past_k_1"] == ["batch", 2, M, 16] and dims["logits"] == ["batch", "tokens", 128], att
+        assert dims["past_k_1"] == ["batch", 2, M, 16] and dims["logits"] == ["batch", "positions", 128], att
+        assert dims["logit_pos"] == ["batch", "positions"], att
         out = "new_v_1" if att == "portable" else "present_v_1"
         assert dims[out] == (["batch", 2, "tokens", 16] if att == "portable" else ["batch", 2, M, 16]), att
         assert part["batch"] == "dynamic" and part["graphs"]["step"]["tokens"] == "dynamic"
+
+
+@pytest.mark.parametrize("att", ["gqa", "portable", "standard"])
+def test_logit_pos_gives_the_logits_of_those_positions_bit_for_bit(exports, att):
+    """A prefill chunk asks for its last position only: the rows it names are the rows every
+    position's logits give, whatever P, and the K/V written are unchanged."""
+    _, batched_dir, _ = exports[att]
+    sess = _session(batched_dir / "step.onnx")
+    lens = [7] if att == "gqa" else [7, 0, 33]      # CPU GQA: several tokens for one row only
+    ids, caches = _random_rows(len(lens), 16, seed=4)
+    full = sess.run(None, _feeds(ids, lens, [c.copy() for c in caches]))
+    for pos in ([[15]], [[14, 15]], [[3, 0, 9]]):
+        pos = np.repeat(np.asarray(pos, np.int64), len(lens), axis=0)
+        got = sess.run(None, {**_feeds(ids, lens, [c.copy() for c in caches]), "logit_pos": pos})
+        assert got[0].shape == (len(lens), pos.shape[1], 128)
+        np.testing.assert_array_equal(got[0], np.take_along_axis(full[0], pos[:, :, None], axis=1))
+        for g, w in zip(got[1:], full[1:]):
+            np.testing.assert_array_equal(g, w)
 
 
 def test_fusions_still_match_on_the_batched_gqa_graph(exports):
@@ -202,6 +239,11 @@ def test_quantizers_keep_the_symbolic_dims(quantized, name, op):
     for B, T, lens in ((3, 1, [4, 0, 20]), (1, 4, [9])):
         ids, caches = _random_rows(B, T)
         assert sess.run(None, _feeds(ids, lens, caches))[0].shape == (B, T, 128)
+        if name == "int8-dynamic":      # one activation scale per call: its rows depend on each other anyway
+            continue
+        # the LM head over the last position only (a prefill chunk): the same row, bit for bit
+        last = sess.run(None, {**_feeds(ids, lens, caches), "logit_pos": np.full((B, 1), T - 1, np.int64)})[0]
+        np.testing.assert_array_equal(last[:, 0], sess.run(None, _feeds(ids, lens, caches))[0][:, T - 1])
 
 
 def _rows_alone(sess, ids, lens, caches):

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from specrt.errors import BackendError, ConfigError, ManifestError
-from specrt.manifest import ModelEntry, Shapes
+from specrt.manifest import LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, Step
 from specrt.runtime.backends.lifecycle import GraphLifecycle
 from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, check_multi_token_rows
@@ -114,6 +114,11 @@ class _Call:
         self.binding.bind_ortvalue_input(io["input_ids"], self.ids.handle)
         self.binding.bind_ortvalue_input(io["past_len"], self.past.handle)
         self.binding.bind_ortvalue_output(io["logits"], self.logits.handle)
+        self.positions = None
+        if model.has_positions:     # every position's logits: logit_pos = 0..T-1 in each row, written once
+            self.positions = dev.alloc((b, T), np.int64)
+            dev.write(self.positions, np.ascontiguousarray(np.broadcast_to(np.arange(T, dtype=np.int64), (b, T))))
+            self.binding.bind_ortvalue_input(LOGIT_POS, self.positions.handle)
         cache = model.cache
         kv_shape = [b, *cache.keys[0].shape[1:]]
         self._cache_ptrs = []
@@ -126,7 +131,8 @@ class _Call:
                     bind(io[n] % i, model.ort_device, model.device_id, cache.dtype.type, kv_shape, ptr)
 
     def addresses(self) -> tuple[int, ...]:
-        return (self.ids.address, self.past.address, self.logits.address, *self._cache_ptrs)
+        return (self.ids.address, self.past.address, self.logits.address,
+                *((self.positions.address,) if self.positions is not None else ()), *self._cache_ptrs)
 
     def run(self, run_options) -> None:
         self.session.run_with_iobinding(self.binding, run_options)
@@ -179,6 +185,7 @@ class DeviceBatchModel:
         except Exception as e:
             raise BackendError(f"ONNX Runtime {ort.__version__} could not load {path} on {execution} "
                                f"({type(e).__name__}: {str(e).strip()[:500]})") from e
+        self.has_positions = any(i.name == LOGIT_POS for i in self.session.get_inputs())
         self.graph_tokens = {"prefill": shapes.prefill_chunk, "decode": 1, "verify": shapes.k + 1}
         self.min_rows = int(entry.io.get("min_rows", 1))
         # ONNX Runtime's CPU GroupQueryAttention runs several tokens per row for one row only
@@ -186,7 +193,10 @@ class DeviceBatchModel:
         self.lifecycle = GraphLifecycle(self.device, warmup=warmup, enabled=cuda_graphs)
         self._calls: dict[tuple, _Call] = {}
 
-    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
+             positions: np.ndarray | None = None) -> np.ndarray:
+        """positions [n, P]: those positions' logits, [n, P, V] (picked on the host: a static
+        bucket computes and reads all T)."""
         n, T = tokens.shape
         if T != self.graph_tokens[graph]:
             raise BackendError(f"the {graph} step runs {self.graph_tokens[graph]} tokens a row, not {T}")
@@ -209,7 +219,10 @@ class DeviceBatchModel:
         self.lifecycle.run(call.name)
         self.device.read(call.logits, call.logits_host)
         self._extent[first_row:first_row + n] = starts + T     # padding rows keep theirs
-        return call.logits_host.array[:n]
+        logits = call.logits_host.array[:n]
+        if positions is not None:
+            return np.take_along_axis(logits, np.asarray(positions)[:, :, None], axis=1)
+        return logits
 
     def _call(self, graph: str, b: int, T: int, first_row: int) -> _Call:
         key = (graph, b, T, first_row)

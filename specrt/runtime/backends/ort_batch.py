@@ -4,8 +4,8 @@ dimension (export/batch.py; manifest graph `batch: "dynamic"`), and a symbolic o
 
     cache    per layer, K and V: [rows, KVH, capacity, D], allocated once (rows = max_num_seqs)
     step     rows first_row..first_row+n-1 bind the view cache[first_row:first_row+n] (the
-             leading axis: a contiguous view, no copy); ids [n, T], past_len [n] and logits
-             [n, T, V] are views of flat buffers made once for the largest call
+             leading axis: a contiguous view, no copy); ids [n, T], past_len [n], logit_pos
+             [n, P] and logits [n, P, V] are views of flat buffers made once for the largest call
 
 Graph entries that name one file (a dynamic-T graph serving prefill, decode and verify) share
 one session: one pre-packed copy of the weights (ONNX Runtime's Python API cannot share
@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 
 from specrt.errors import BackendError, GraphFileError, ManifestError
-from specrt.manifest import ModelEntry, Shapes
+from specrt.manifest import LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
 
 
@@ -86,6 +86,8 @@ class OrtBatchModel:
             f = self._file_of[g]
             if f not in self._sessions:
                 self._sessions[f] = _session(root / f, threads)
+        # graphs built before logit_pos existed return every position: the positions are picked here
+        self.has_positions = {f: any(i.name == LOGIT_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
@@ -93,6 +95,7 @@ class OrtBatchModel:
         V = int(d["vocab"])
         self._ids = np.zeros(rows * t_max, DTYPES[dt["input_ids"]])
         self._past = np.zeros(rows, DTYPES[dt["past_len"]])
+        self._pos = np.zeros(rows * t_max, np.int64)
         self._logits = np.zeros(rows * t_max * V, DTYPES[dt["logits"]])
         kvh, hd = int(d["kv_heads"]), int(d["head_dim"])
         self._new = [np.zeros(rows * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
@@ -107,33 +110,44 @@ class OrtBatchModel:
         model = onnx.load(str(root / g.file), load_external_data=False)
         return "gqa" if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) else "other"
 
-    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
+             positions: np.ndarray | None = None) -> np.ndarray:
+        """positions [n, P]: return only those positions' logits, [n, P, V] (None: all T)."""
         n, T = tokens.shape
         check_multi_token_rows(self.multi_token_rows, n, T)
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
         assert first_row + n <= self.rows, (first_row, n, self.rows)
         static = self.graph_tokens[graph]
         assert not static or T == static, (graph, T, static)
-        binding, ids, past, logits, new = self._binding(graph, first_row, n, T)
+        file = self._file_of[graph]
+        gathered = positions is not None and self.has_positions[file]
+        P = positions.shape[1] if gathered else T
+        assert not gathered or n * P >= self.min_rows, (graph, n, P, self.min_rows)
+        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n, T, P)
         np.copyto(ids, tokens)
         np.copyto(past, starts)
-        self._sessions[self._file_of[graph]].run_with_iobinding(binding)
+        if pos is not None:     # filled every call: bindings of other shapes share the buffer
+            pos[:] = positions if gathered else np.arange(T)
+        self._sessions[file].run_with_iobinding(binding)
         if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
             for j, buf in enumerate(self.cache.keys + self.cache.values):
                 nk = new[j]
                 for i in range(n):
                     s = int(starts[i])
                     np.copyto(buf[first_row + i, :, s:s + T], nk[i])
+        if positions is not None and not gathered:
+            return np.take_along_axis(logits, np.asarray(positions)[:, :, None], axis=1)
         return logits
 
-    def _binding(self, graph: str, first_row: int, n: int, T: int):
-        key = (self._file_of[graph], first_row, n, T)
+    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int):
+        key = (self._file_of[graph], first_row, n, T, P)
         if key in self._bindings:
-            return self._bindings[key][:5]
+            return self._bindings[key][:6]
         sess, io = self._sessions[key[0]], self.io
         ids = self._ids[:n * T].reshape(n, T)
         past = self._past[:n]
-        logits = self._logits[:n * T * self._vocab].reshape(n, T, self._vocab)
+        logits = self._logits[:n * P * self._vocab].reshape(n, P, self._vocab)
+        pos = self._pos[:n * P].reshape(n, P) if self.has_positions[key[0]] else None
         b = sess.io_binding()
         hold = []
 
@@ -145,6 +159,8 @@ class OrtBatchModel:
         b.bind_ortvalue_input(io["input_ids"], value(ids))
         b.bind_ortvalue_input(io["past_len"], value(past))
         b.bind_ortvalue_output(io["logits"], value(logits))
+        if pos is not None:
+            b.bind_ortvalue_input(LOGIT_POS, value(pos))
         new = []
         layers = self.entry.layers
         for i in range(layers):
@@ -161,8 +177,8 @@ class OrtBatchModel:
                     b.bind_ortvalue_output(io[out_name] % i, value(nb))
         if not self.in_place:       # keys first, then values, as cache.keys + cache.values
             new = new[0::2] + new[1::2]
-        self._bindings[key] = entry = (b, ids, past, logits, new, hold)
-        return entry[:5]
+        self._bindings[key] = entry = (b, ids, past, logits, new, pos, hold)
+        return entry[:6]
 
 
 def check_multi_token_rows(limit: int | None, n: int, T: int) -> None:

@@ -165,12 +165,17 @@ class BatchEngine:
         self._tokens[0, :T] = 0
         self._tokens[0, :len(chunk)] = chunk
         self._starts[0] = row.length
-        logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot)
+        # logits of the chunk's last token only (the LM head is a fifth of a chunk's cost), over
+        # at least min_rows positions; the row is alone in the call, so they depend on its prompt only
+        P = max(self.target.min_rows, 1)
+        lo = max(len(chunk) - P, 0)
+        positions = np.arange(lo, lo + P, dtype=np.int64)[None, :]
+        logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions)
         row.length += len(chunk)
         self.stats.prefill_chunks += 1
         if not row.prefilled:
             return
-        first = choose(logits[0, len(chunk) - 1], row.req.params, row.req.seed, len(prompt), self._scratch)
+        first = choose(logits[0, len(chunk) - 1 - lo], row.req.params, row.req.seed, len(prompt), self._scratch)
         self.pending = None
         self.rows.append(row)
         self._emit(row, (), first)

@@ -5,10 +5,13 @@
             from 0 (the engine moves a row down when one before it leaves), so a step over n
             rows binds the first n rows of the buffer, a view, no copy.
 
-    step(graph, tokens [n, T], starts [n], first_row) -> logits [n, T, V]
+    step(graph, tokens [n, T], starts [n], first_row, positions=None) -> logits [n, T, V]
             rows first_row..first_row+n-1; row i's tokens sit at positions starts[i]..+T-1,
             their K/V written into its cache rows (padding tokens past a row's own tokens
             write rows past its length, which nothing reads). The result is a reused buffer.
+            positions [n, P] (window offsets): only those positions' logits, [n, P, V] (a
+            prefill chunk needs its last token's; graphs with a logit_pos input skip the
+            LM head for the rest).
 
 A shared-cache draft (the int8 copy of the target) is a second BatchModel over the same
 cache (`shares_cache`); moving a row moves it for both.
@@ -37,4 +40,5 @@ class BatchModel(Protocol):
     graph_tokens: dict[str, int]     # static T of each graph ("prefill", "decode", "verify"); 0: any T
     min_rows: int                    # never run fewer rows (n*T) than this in one call (see manifest)
 
-    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray: ...
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
+             positions: np.ndarray | None = None) -> np.ndarray: ...

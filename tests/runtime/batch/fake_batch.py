@@ -45,7 +45,8 @@ class FakeLM:
         return np.random.default_rng(int.from_bytes(h[:8], "little")).normal(size=self.vocab).astype(np.float32) \
             * self.sharpness
 
-    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0) -> np.ndarray:
+    def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
+             positions: np.ndarray | None = None) -> np.ndarray:
         n, T = tokens.shape
         static = self.graph_tokens.get(graph, 0)
         assert not static or T == static, (graph, T, static)
@@ -60,6 +61,9 @@ class FakeLM:
                 prefix = self.cache.tokens[r, :s + t + 1]
                 assert (prefix >= 0).all(), f"row {r} reads a slot never written: {prefix.tolist()}"
                 self.out[i, t] = self.logits(prefix)
+        if positions is not None:      # as the batched graphs' logit_pos: only those positions
+            assert positions.shape[0] == n and n * positions.shape[1] >= self.min_rows, (positions.shape, n)
+            return np.take_along_axis(self.out[:n, :T], np.asarray(positions)[:, :, None], axis=1)
         return self.out[:n, :T]
 
 

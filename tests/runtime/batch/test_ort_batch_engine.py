@@ -144,3 +144,48 @@ def test_the_model_refuses_several_tokens_in_several_gqa_rows(gen):
     assert m.multi_token_rows == 1
     with pytest.raises(BackendError, match="GroupQueryAttention"):
         m.step("step", np.zeros((2, 2), np.int64), np.zeros(2, np.int64), 0)
+
+
+def test_a_prefill_chunk_computes_the_logits_of_its_last_position_only(gen, tiny_batch_engines):
+    """The engine binds logit_pos [[last]] for a prefill chunk (the LM head over one row, not
+    the chunk), and those logits are the full step's row, bit for bit."""
+    m = gen.engine.target
+    assert all(m.has_positions.values())
+    keys = [k for k in m._bindings if k[3] > 1]          # (file, first_row, n, T, P): multi-token calls
+    assert keys and all(k[4] == 1 for k in keys), keys   # prefill chunks: P = 1
+    toks = np.arange(3, 19, dtype=np.int64)[None, :]
+    full = m.step("step", toks, np.zeros(1, np.int64), 0).copy()           # [1, 16, V]
+    got = m.step("step", toks, np.zeros(1, np.int64), 0, np.array([[15, 2]], np.int64)).copy()
+    np.testing.assert_array_equal(got[0], full[0, [15, 2]])
+
+
+def _without_logit_pos(path):
+    """Rewrite a batched graph as specrt built it before logit_pos: every position's logits
+    (logit_pos computed inside the graph as 0..T-1 in each row)."""
+    import onnx
+    from onnx import helper, numpy_helper
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    pos = next(i for i in g.input if i.name == "logit_pos")
+    g.input.remove(pos)
+    g.initializer.extend([numpy_helper.from_array(np.array(1, np.int64), "lp_one"),
+                          numpy_helper.from_array(np.array(1, np.int64), "lp_axis")])
+    g.node.insert(0, helper.make_node("Shape", ["input_ids"], ["lp_shape"]))
+    g.node.insert(1, helper.make_node("ConstantOfShape", ["lp_shape"], ["lp_ones"],
+                                      value=numpy_helper.from_array(np.array([1], np.int64))))
+    g.node.insert(2, helper.make_node("CumSum", ["lp_ones", "lp_axis"], ["lp_count"]))
+    g.node.insert(3, helper.make_node("Sub", ["lp_count", "lp_one"], ["logit_pos"]))
+    onnx.save(model, str(path))
+
+
+def test_graphs_built_before_logit_pos_still_serve_the_same_tokens(tiny_batch_engines, alone, tmp_path):
+    import shutil
+    copy = tmp_path / "old"
+    shutil.copytree(tiny_batch_engines, copy)
+    _without_logit_pos(copy / "batch" / "step.onnx")
+    g = open_batch(copy, max_num_seqs=3, verify="none")
+    try:
+        assert not any(g.engine.target.has_positions.values())
+        assert [c.tokens for c in g.generate_batch(PROMPTS, max_new_tokens=NEW)] == alone
+    finally:
+        g.close()
