@@ -63,7 +63,7 @@ class System:
 
     @property
     def missing(self) -> str | None:
-        how = {"specrt-server": "make engines engines-int4", "specrt-stream": "make engines engines-int4",
+        how = {"specrt-server": "make engines engines-int4 (engines-int4-rw)", "specrt-stream": "make engines engines-int4",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
                "openvino": "make venv-openvino && .venv/bin/python benchmarks/run_peers.py build"}[self.kind]
@@ -78,6 +78,9 @@ SYSTEMS = {s.name: s for s in [
     System("specrt-int4", "specrt serve int4", "specrt-server", ROOT / "artifacts/smollm2-int4"),
     System("specrt-fp32-alt", "specrt serve fp32, alt args", "specrt-server", ROOT / "artifacts/smollm2"),
     System("specrt-int4-alt", "specrt serve int4, alt args", "specrt-server", ROOT / "artifacts/smollm2-int4"),
+    # int4 decode steps, int8 prompt chunks (`--batch-prefill rowwise`): make engines-int4-rw
+    System("specrt-int4rw-alt", "specrt serve int4 + int8 prefill, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-rw"),
     System("specrt-fp32-stream", "specrt fp32 single stream", "specrt-stream", ROOT / "artifacts/smollm2",
            only_clients=1),
     System("specrt-int4-stream", "specrt int4 single stream", "specrt-stream", ROOT / "artifacts/smollm2-int4",

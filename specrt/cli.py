@@ -30,7 +30,8 @@ def cmd_build(a) -> int:
                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention, backend=a.backend,
                      measure_costs=a.measure_costs, draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
                      precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
-                     quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head], batch=a.batch)
+                     quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head], batch=a.batch,
+                     batch_prefill=a.batch_prefill)
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
@@ -215,6 +216,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="also export the target with a batch dimension, so that `specrt serve --max-num-seqs N` "
                         "decodes many requests at once on one copy of the weights (ort-cpu; adds one graph and "
                         "a copy of the weights on disk)")
+    b.add_argument("--batch-prefill", choices=("same", "rowwise"), default=None,
+                   help="how the batched model runs prompt chunks: 'same' (default: the batched graph, quantized as "
+                        "the target) or 'rowwise' (a second graph with int8 per-channel weights, ONNX Runtime's int8 "
+                        "GEMM: ~2.7x faster prefill on CPUs with VNNI/AMX, for an int8 copy of the weights in "
+                        "memory); decode steps keep the target's precision")
     b.add_argument("--quiet", action="store_true", help="no progress bars (specrt's, transformers', Hugging Face's)")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")

@@ -206,7 +206,7 @@ def load(directory: str | Path) -> Manifest:
             # a quantized target's decode graph may run 2 rows (build/gates/rows.py): one
             # padding row in a plain step, a guessed token in a pair round (runtime/loop.py)
             wide_decode = role == "target" and g == "decode" and e.tokens == DECODE_PAIR_ROWS
-            if g in window and e.tokens != window[g] and not wide_decode:
+            if g in window and e.tokens != window[g] and not wide_decode and not e.dynamic_tokens:
                 raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "
                                     "(inconsistent manifest): rebuild the engines")
         need = REQUIRED_GRAPHS[role if role in ("target", "batch") else ("shared" if m.shares_cache_with else "own")]

@@ -15,7 +15,11 @@ RATIOS = (("specrt int4 / genai int4 static batches", "specrt-int4", "genai-int4
           ("specrt int4 alt / specrt int4", "specrt-int4-alt", "specrt-int4", 8),
           ("specrt int4 alt / genai int4 static batches", "specrt-int4-alt", "genai-int4", 8),
           ("specrt int4 alt / OpenVINO int4", "specrt-int4-alt", "openvino-int4", 8),
-          ("specrt int4 alt / its single stream", "specrt-int4-alt", "specrt-int4-stream", 1))
+          ("specrt int4 alt / its single stream", "specrt-int4-alt", "specrt-int4-stream", 1),
+          ("specrt int4+int8 prefill alt / genai int4 static batches", "specrt-int4rw-alt", "genai-int4", 8),
+          ("specrt int4+int8 prefill alt / OpenVINO int4", "specrt-int4rw-alt", "openvino-int4", 8),
+          ("specrt int4+int8 prefill alt / specrt int4 alt", "specrt-int4rw-alt", "specrt-int4-alt", 8),
+          ("specrt int4+int8 prefill alt / its single stream", "specrt-int4rw-alt", "specrt-int4-stream", 1))
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -25,6 +25,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
 # speculative decoding agree bit for bit (build/gates/rows.py); fp32 compute (1) makes
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
 # more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
+BATCH_PREFILL = ("same", "rowwise")     # BuildConfig.batch_prefill
 PRECISIONS = {
     "fp32": None,
     "int8": {"method": "matmulnbits", "bits": 8, "block_size": 32, "accuracy_level": 4, "lm_head": True},
@@ -101,6 +102,11 @@ class BuildConfig:
     # per-row positions), the model `specrt serve --max-num-seqs N` batches many requests on;
     # ort-cpu only for now (the GPU buckets are not built yet)
     batch: bool = False
+    # the batched model's prefill chunks: "same" (the batched graph, quantized as the target) or
+    # "rowwise" (a second graph, int8 per-channel weights x int8 rows, MatMulIntegerToFloat:
+    # ONNX Runtime's int8 GEMM, ~2.7x faster than int4 MatMulNBits on a 48-token chunk on this
+    # CPU, at the cost of an int8 copy of the weights); decode steps keep the target's precision
+    batch_prefill: str = "same"
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -132,6 +138,10 @@ class BuildConfig:
         if self.batch and self.backend not in ("ort-cpu", "auto"):
             raise ConfigError(f"--batch with --backend {self.backend}: the batched graphs are built for ONNX Runtime "
                               "CPU only so far (the GPU's static row buckets are not built yet): leave --batch out")
+        if self.batch_prefill not in BATCH_PREFILL:
+            raise ConfigError(f"batch_prefill={self.batch_prefill!r}; choose one of {', '.join(BATCH_PREFILL)}")
+        if self.batch_prefill != "same" and not self.batch:
+            raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":
             self._check_backend(BACKEND_SPECS[self.backend], kind)
             self._check_draft_vocab(kind or BACKEND_SPECS[self.backend].draft)

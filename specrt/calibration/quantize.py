@@ -104,25 +104,37 @@ def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
         q.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 
-def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple[str, ...], spec: QuantSpec,
-                    prepare: dict | None = None) -> dict:
+def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple[str, ...],
+                    spec: QuantSpec | dict[str, QuantSpec | None], prepare: dict | None = None,
+                    source: dict[str, str] | None = None) -> dict:
     """Quantize `graphs` of an exported model into out_dir (graph files + one weights.bin).
+    spec: one for every graph, or graph -> spec (None: the fp32 graph as exported).
     prepare: graph -> function applied to its fp32 ModelProto (weights loaded) before
-    quantizing (see vocab.py).
-    Returns the manifest fragment: graphs, weights index, dims, quantization."""
+    quantizing (see vocab.py). source: graph -> the exported graph it is made from (default:
+    the same name; e.g. the batched model's "prefill" is its "step" quantized another way).
+    Returns the manifest fragment: graphs, weights index, dims, quantization (one description,
+    or graph -> description when spec is per graph)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = int(export["dims"]["vocab"])
+    specs = spec if isinstance(spec, dict) else {g: spec for g in graphs}
+    source = source or {}
     protos = {}
     with tempfile.TemporaryDirectory(prefix="specrt-quant-") as tmp:
         for g in graphs:
             dst = Path(tmp) / f"{g}.onnx"
-            src = export_dir / export["graphs"][g]["file"]
+            src = export_dir / export["graphs"][source.get(g, g)]["file"]
             if prepare and g in prepare:
                 src = _prepared(src, prepare[g], Path(tmp) / f"{g}.fp32.onnx")
-            quantize_graph(src, dst, spec, vocab)
+            if specs[g] is None:
+                protos[g] = onnx.load(str(src))
+                continue
+            quantize_graph(src, dst, specs[g], vocab)
             protos[g] = onnx.load(str(dst))
-    entries, winfo = wpack.save_graphs(protos, out_dir, {g: export["graphs"][g]["tokens"] for g in protos})
-    return {"graphs": entries, "weights": winfo, "dims": export["dims"], "quantization": spec.describe()}
+    tokens = {g: export["graphs"][source.get(g, g)]["tokens"] for g in protos}
+    entries, winfo = wpack.save_graphs(protos, out_dir, tokens)
+    described = spec.describe() if not isinstance(spec, dict) else \
+        {g: s.describe() if s is not None else None for g, s in specs.items()}
+    return {"graphs": entries, "weights": winfo, "dims": export["dims"], "quantization": described}
 
 
 def _prepared(src: Path, fn, dst: Path) -> Path:

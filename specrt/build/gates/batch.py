@@ -44,17 +44,23 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     from specrt.calibration import quantize
     from specrt.export import onnx_export
     shapes = cfg.shapes
-    src = tmp / ("batch" if cfg.precision == "fp32" else "_batch_fp32")
+    rowwise = cfg.batch_prefill == "rowwise"
+    src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise else "_batch_fp32")
     part = onnx_export.export_model(tgt, shapes, src, attention=target_part.get("attention", cfg.attention),
                                     batch="dynamic", tokens={"step": "dynamic"})
-    if cfg.precision != "fp32":
-        spec = quantize.QuantSpec(**cfg.target_quantization)
-        q = quantize.quantize_graphs(src, part, tmp / "batch", ("step",), spec)
-        q.pop("quantization", None)
+    if cfg.precision != "fp32" or rowwise:
+        # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
+        # graph once more as "prefill", int8 per channel: both in one weights file
+        specs = {"step": quantize.QuantSpec(**cfg.target_quantization) if cfg.precision != "fp32" else None,
+                 **({"prefill": quantize.QuantSpec("rowwise")} if rowwise else {})}
+        q = quantize.quantize_graphs(src, part, tmp / "batch", tuple(specs), specs, source={g: "step" for g in specs})
         part = {**part, **{k: q[k] for k in ("graphs", "weights")}}
         shutil.rmtree(src)
-    part.update(subdir="batch", family=target_part["family"], precision=target_part["precision"],
-                source={**target_part["source"], "derived": "the target with a batch dimension (export/batch.py)"},
+    source = {**target_part["source"], "derived": "the target with a batch dimension (export/batch.py)"}
+    if rowwise:     # what `specrt inspect` shows of the second graph
+        source["prefill_graph"] = {"runs": "prefill chunks (decode and verify steps run step)",
+                                   **quantize.QuantSpec("rowwise").describe()}
+    part.update(subdir="batch", family=target_part["family"], precision=target_part["precision"], source=source,
                 kv=target_part["kv"])
     part["parity"] = {"batch_invariance": invariance(tmp, part, shapes, prompts),
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
@@ -88,9 +94,9 @@ def _prefill(model, rows_ids, shapes, lasts: list | None = None, gather: bool = 
             toks[0, :len(chunk)] = chunk
             if gather:
                 pos = np.array([[len(chunk) - 1]], np.int64)
-                last = model.step("step", toks, np.array([s], np.int64), r, pos)[0, 0].copy()
+                last = model.step("prefill", toks, np.array([s], np.int64), r, pos)[0, 0].copy()
             else:
-                last = model.step("step", toks, np.array([s], np.int64), r)[0, len(chunk) - 1].copy()
+                last = model.step("prefill", toks, np.array([s], np.int64), r)[0, len(chunk) - 1].copy()
         first.append(int(np.argmax(last)))
         if lasts is not None:
             lasts.append(last)

@@ -7,6 +7,10 @@ dimension (export/batch.py; manifest graph `batch: "dynamic"`), and a symbolic o
              leading axis: a contiguous view, no copy); ids [n, T], past_len [n], logit_pos
              [n, P] and logits [n, P, V] are views of flat buffers made once for the largest call
 
+A model built with `--batch-prefill rowwise` has a second graph, "prefill" (the same graph with
+int8 per-channel weights, MatMulIntegerToFloat), in its own session: prompt chunks run there,
+decode and verify steps in "step"; both write the same cache.
+
 Graph entries that name one file (a dynamic-T graph serving prefill, decode and verify) share
 one session: one pre-packed copy of the weights (ONNX Runtime's Python API cannot share
 pre-packed weights between sessions, so each session holds its own). IO bindings are made
@@ -26,7 +30,7 @@ from specrt.manifest import LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
 
 
-ALIASES = ("prefill", "decode", "verify")     # the engine's graph names, all served by "step"
+ALIASES = ("prefill", "decode", "verify")     # the engine's graph names, served by "step" unless named
 
 
 class BatchKV:
@@ -68,8 +72,9 @@ class OrtBatchModel:
         check_weights_file(root, entry)
         names = graphs or tuple(entry.graphs)
         # the batched model of `specrt build --batch` has one graph, "step", with a symbolic T: it
-        # serves the engine's prefill chunks, decode steps and verify windows alike
-        alias = {g: "step" for g in ALIASES} if set(names) == {"step"} else {}
+        # serves the engine's prefill chunks, decode steps and verify windows alike; with
+        # `--batch-prefill rowwise` a second graph, "prefill" (int8 weights), runs prompt chunks
+        alias = {g: "step" for g in ALIASES if g not in names} if "step" in names else {}
         self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
                              else 0 for g in names}
         self.graph_tokens.update({a: self.graph_tokens[s] for a, s in alias.items()})

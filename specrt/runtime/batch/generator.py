@@ -216,7 +216,9 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
         model = DeviceBatchModel(root, entry, man.shapes, rows=max_num_seqs, buckets=tuple(buckets),
                                  execution=execution, threads=threads)
     else:
-        model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("step",), threads=threads)
+        # "prefill": the int8 prompt-chunk graph of `--batch-prefill rowwise` builds
+        graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
+        model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=graphs, threads=threads)
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)

@@ -1,0 +1,109 @@
+"""`specrt build --batch --batch-prefill rowwise`: the batched model gets a second graph,
+"prefill" (the same batched graph with int8 per-channel weights, ONNX Runtime's int8 GEMM),
+that runs prompt chunks, while decode steps stay in "step" (int4 MatMulNBits). A request's
+tokens still do not depend on what else is in the batch: prompt chunks run one row at a time
+through the same graph, whatever the batch."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import build_tiny
+
+from specrt.errors import ConfigError, ManifestError
+from specrt.runtime.batch.generator import open_batch
+
+PROMPTS = ["hello there", "a b c d e f g h i j k l m n o p q r s t u v w x y z and then some more words",
+           "the quick brown fox", "x", "one two three four five six seven eight nine ten eleven twelve",
+           "to be or not to be", "a"]
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_pair):
+    target, _ = tiny_pair
+    return build_tiny(tmp_path_factory.mktemp("rowwise") / "e", target, "none", precision="int4", block_size=16,
+                      batch=True, ngram_tokens=0, batch_prefill="rowwise")
+
+
+@pytest.fixture(scope="module")
+def gen(engines):
+    g = open_batch(engines, max_num_seqs=3)
+    yield g
+    g.close()
+
+
+def _ops(path) -> set[str]:
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+def test_the_build_records_two_graphs_one_weights_file_and_invariance(engines):
+    b = json.loads((engines / "manifest.json").read_text())["models"]["batch"]
+    assert set(b["graphs"]) == {"step", "prefill"}
+    assert all(g["batch"] == "dynamic" and g["dynamic_tokens"] for g in b["graphs"].values())
+    assert b["weights"]["file"] == "batch/weights.bin"
+    assert "MatMulNBits" in _ops(engines / "batch/step.onnx")
+    assert "MatMulIntegerToFloat" in _ops(engines / "batch/prefill.onnx")
+    assert "MatMulNBits" not in _ops(engines / "batch/prefill.onnx")
+    assert b["source"]["prefill_graph"]["method"].startswith("rowwise int8")
+    inv = b["parity"]["batch_invariance"]
+    assert inv["equal"] is True and inv["prefill_last_position_delta"] == 0.0
+
+
+def test_prompt_chunks_run_the_prefill_graph_and_decode_steps_the_step_graph(gen):
+    gen.generate(PROMPTS[1], max_new_tokens=4)
+    m = gen.engine.target
+    assert m._file_of["prefill"].endswith("prefill.onnx") and m._file_of["decode"].endswith("step.onnx")
+    used = {(k[0].rsplit("/", 1)[-1], k[3] > 1) for k in m._bindings}      # (file, several tokens a row)
+    assert ("prefill.onnx", True) in used and ("step.onnx", False) in used
+    assert ("step.onnx", True) not in used and ("prefill.onnx", False) not in used
+
+
+def test_greedy_and_seeded_rows_equal_the_request_alone(gen):
+    from specrt.runtime.sampling import SamplingParams
+    alone = [gen.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS]
+    assert [c.tokens for c in gen.generate_batch(PROMPTS, max_new_tokens=NEW)] == alone
+    hot = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+    solo = gen.generate(PROMPTS[2], max_new_tokens=NEW, sampling=hot).tokens
+    others = [gen.submit(p, max_new_tokens=NEW, sampling=SamplingParams(temperature=0.7, seed=i))
+              for i, p in enumerate(PROMPTS[3:])]
+    assert gen.submit(PROMPTS[2], max_new_tokens=NEW, sampling=hot).result().tokens == solo
+    for h in others:
+        h.result()
+
+
+def test_the_prefill_graph_writes_the_cache_the_decode_graph_reads(engines, gen):
+    """The first decode step after a rowwise prefill reads the K/V that graph wrote: its
+    logits equal those of the same prompt prefilled token by token through "step"."""
+    m = gen.engine.target
+    ids = np.arange(5, 21, dtype=np.int64)[None, :]          # 16 prompt tokens
+    m.step("prefill", ids, np.zeros(1, np.int64), 0)
+    a = m.step("decode", np.array([[7]], np.int64), np.array([16]), 0).copy()
+    for t in range(16):                                        # the same prompt through "step", row 1
+        m.step("decode", ids[:, t:t + 1], np.array([t]), 1)
+    b_int4 = m.step("decode", np.array([[7]], np.int64), np.array([16]), 1).copy()
+    for kv in m.cache.keys + m.cache.values:                  # row 2: a prompt never written (zeros)
+        kv[2] = 0
+    c = m.step("decode", np.array([[7]], np.int64), np.array([16]), 2).copy()
+    # different weights wrote the caches of rows 0 and 1 (int8 vs int4): near, not equal; a
+    # decode step that did not read what prefill wrote would be as far as the empty row
+    assert np.linalg.norm(a - b_int4) < 0.5 * np.linalg.norm(a - c)
+
+
+def test_the_option_needs_batch_and_a_known_kind(tiny_pair, tmp_path):
+    from specrt.build.config import BuildConfig
+    target, _ = tiny_pair
+    with pytest.raises(ConfigError, match="add --batch"):
+        BuildConfig(target=str(target), out=str(tmp_path / "x"), batch_prefill="rowwise")
+    with pytest.raises(ConfigError, match="same, rowwise"):
+        BuildConfig(target=str(target), out=str(tmp_path / "x"), batch=True, batch_prefill="int2")
+
+
+def test_device_buckets_refuse_two_graph_files_naming_the_fix(engines):
+    from specrt.runtime.backends.device_batch import DeviceBatchModel
+    from specrt.manifest import load
+    man = load(engines)
+    with pytest.raises(ManifestError, match="without --batch-prefill rowwise"):
+        DeviceBatchModel(engines, man.models["batch"], man.shapes, rows=2, execution="cpu")
