@@ -109,3 +109,21 @@ def test_quiet_build_hides_the_libraries_progress_bars(tiny_pair, tmp_path):
     assert quiet.returncode == 0, quiet.stderr
     assert not any(bar in quiet.stderr for bar in BARS), quiet.stderr
     assert "built" in quiet.stdout
+
+
+def test_build_passes_batch_prefill_to_the_config_and_refuses_it_without_batch(capsys, tmp_path, monkeypatch):
+    import specrt.build.pipeline as pipeline
+    seen = {}
+
+    def fake_build(cfg, progress=True, force=False):      # the CLI's plumbing only: no export
+        seen["cfg"] = cfg
+        return tmp_path / "out"
+    monkeypatch.setattr(pipeline, "build", fake_build)
+    rc, _, err = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch-prefill", "rowwise"],
+                      capsys)
+    assert rc == 2 and "add --batch" in err and "cfg" not in seen
+    rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--batch-prefill",
+                     "rowwise"], capsys)
+    assert rc == 0 and seen["cfg"].batch and seen["cfg"].batch_prefill == "rowwise"
+    rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch"], capsys)
+    assert seen["cfg"].batch_prefill == "same"
