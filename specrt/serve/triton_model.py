@@ -111,8 +111,10 @@ class _Answer:
                 elif ev.text:
                     self.sender.send(_response(ev.text))
             elif isinstance(ev, Done):
-                if ev.finish_reason in ("cancelled", "timeout"):    # finalize() (a client's cancel ended it already)
-                    self.finish(_error("cancelled: the model is being unloaded; retry", "CANCELLED"))
+                if ev.finish_reason in ("cancelled", "timeout"):
+                    # the client (seen by the engine's poll, waiting or running), or finalize()
+                    self.finish(_error("cancelled by the client", "CANCELLED") if self.request.is_cancelled()
+                                else _error("cancelled: the model is being unloaded; retry", "CANCELLED"))
                 else:
                     self.finish(_response("", FINISH.get(ev.finish_reason, "stop")))
             elif isinstance(ev, Failed):
@@ -191,7 +193,9 @@ class TritonPythonModel:
             return
         try:
             prompt, kw = _inputs(request)
-            answer.submitted(self.batch.submit(prompt, sink=answer.sink, **kw))
+            # the engine asks is_cancelled() at every step, so a request cancelled while it waits
+            # for a row ends then, not when it gets one
+            answer.submitted(self.batch.submit(prompt, sink=answer.sink, poll_cancel=request.is_cancelled, **kw))
         except OverloadedError as e:
             answer.finish(_error(f"{e} (max_num_seqs {self.max_num_seqs}, queue_size {self.queue_size})",
                                  "UNAVAILABLE"))

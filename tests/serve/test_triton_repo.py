@@ -363,3 +363,22 @@ def test_finalize_ends_running_and_waiting_requests_with_one_final_each(batched)
     for req in reqs:
         message, code = error_of(req)
         assert code == fake_triton.TritonError.CANCELLED and "unloaded" in message
+
+
+def test_a_request_cancelled_while_it_waits_for_a_row_ends_before_it_gets_one(batched, alone):
+    """One row, a long request on it; a second request waits, and its client cancels. The
+    engine asks is_cancelled() at every step, so the waiting one ends with one FINAL CANCELLED
+    without ever being prefilled (before, it was noticed only on its first token)."""
+    model = batched(max_num_seqs=1)
+    eng = model.batch.engine
+    chunks = eng.stats.prefill_chunks
+    running = fake_triton.Request(text_input=np.array([b"Once upon a time"], dtype=object),
+                                  max_tokens=np.array([40], np.int32))
+    waiting = greedy(PROMPTS[0], cancel_after=1)       # execute's own check passes; the engine's first poll cancels
+    model.execute([running, waiting])
+    message, code = error_of(waiting)
+    assert code == fake_triton.TritonError.CANCELLED and "by the client" in message
+    assert len(waiting.sender.sent) == 1               # no text: it never ran
+    answered(running)
+    assert eng.stats.prefill_chunks - chunks == 1      # the running request's prompt only
+    wait_for(lambda: eng.idle(), "the engine to be idle")

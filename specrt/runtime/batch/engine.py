@@ -126,6 +126,15 @@ class BatchEngine:
         def why(req: Request) -> str | None:
             if req.cancelled.is_set():
                 return "cancelled"
+            if req.poll_cancel is not None:
+                try:
+                    gone = req.poll_cancel()
+                except Exception:       # a broken poll must not stop the engine's other requests
+                    log.exception("request %d: poll_cancel failed; it is not polled again", req.id)
+                    req.poll_cancel, gone = None, False
+                if gone:
+                    req.cancel()
+                    return "cancelled"
             return "timeout" if req.deadline is not None and now >= req.deadline else None
 
         with self._lock:

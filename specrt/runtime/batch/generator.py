@@ -88,10 +88,13 @@ class BatchGenerator:
     def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
                timeout: float | None = None, sink: Callable[[object], None] | None = None,
-               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Handle:
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+               poll_cancel: Callable[[], bool] | None = None) -> Handle:
         """Queue a request. timeout: seconds from now after which it ends with reason "timeout".
         sink: receives its events on the engine thread (None: the handle's own queue).
-        stop_token_ids, ignore_eos: as `SpeculativeGenerator.stream`'s."""
+        stop_token_ids, ignore_eos: as `SpeculativeGenerator.stream`'s.
+        poll_cancel: called at every engine step while the request waits or runs; True cancels
+        it (for callers that can only ask, as Triton's `request.is_cancelled()`)."""
         if self._closed:
             raise ConfigError("this BatchGenerator is closed")
         sampling = sampling or SamplingParams()
@@ -110,7 +113,7 @@ class BatchGenerator:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         deadline = None if timeout is None else eng.clock() + timeout
         req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, next(self._ids),
-                      stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+                      stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel)
         if not eng.add(req, self.max_queue):
             raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
                                  "retry later, or raise max_queue / max_num_seqs")

@@ -52,6 +52,9 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     stop_token_ids: frozenset[int] = frozenset()   # end with "stop" on emitting one (left out of the text)
     ignore_eos: bool = False                       # EOS is an ordinary token: run to the budget
+    # asked at every engine step while the request waits or runs (e.g. Triton's
+    # request.is_cancelled, which has no callback): True cancels it as cancel() does
+    poll_cancel: Callable[[], bool] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -297,3 +297,22 @@ def test_sampled_rows_in_a_batch_follow_the_targets_distribution_exactly(monkeyp
     monkeypatch.setattr(engine_mod, "first_mismatch", keep_all)
     bad = goodness_of_fit(counts()[0], exact)
     assert not bad.passes and bad.p_value < P_VALUE_CEILING, bad
+
+
+def test_poll_cancel_ends_a_waiting_request_unprefilled_and_a_failing_poll_is_dropped(caplog):
+    """poll_cancel (Triton's is_cancelled) is asked at every step: True ends the request where
+    it is, even before it has a row; a poll that raises is logged, dropped, and its request runs on."""
+    eng, lm = make_engine(1)
+    asked = []
+    running = submit(eng, PROMPTS[1], 12)
+    waiting = submit(eng, PROMPTS[0], 12, poll_cancel=lambda: asked.append(1) or len(asked) >= 2)
+
+    def broken():
+        raise RuntimeError("the server's handle is gone")
+    flaky = submit(eng, PROMPTS[2], 5, poll_cancel=broken)
+    drain(eng)
+    assert waiting.done.finish_reason == "cancelled" and waiting.tokens == [] and len(asked) == 2
+    assert eng.stats.prefill_chunks == 2 + 2                 # 13 + 9 prompt tokens in chunks of 8: never the cancelled one
+    assert (running.tokens, running.done.finish_reason) == reference(lm, PROMPTS[1], 12)
+    assert (flaky.tokens, flaky.done.finish_reason) == reference(lm, PROMPTS[2], 5)
+    assert "poll_cancel failed" in caplog.text
