@@ -99,8 +99,14 @@ def describe(man: mf.Manifest) -> str:
             + (f", shares the {m.shares_cache_with}'s cache" if m.shares_cache_with else ""),
         ]
         for g, e in m.graphs.items():
-            lines.append(f"  graph    {g:<8} T={e.tokens:<4} {e.file}"
-                         + (f"  engine {e.engine['file']} {_mb(e.engine['bytes'])}" if e.engine else ""))
+            # a batched graph's T (and rows) are symbolic: one graph serves every window
+            T = "any" if e.dynamic_tokens else e.tokens
+            lines.append(f"  graph    {g:<8} T={T:<4} {e.file}"
+                         + (f"  engine {e.engine['file']} {_mb(e.engine['bytes'])}" if e.engine else "")
+                         + ("  (rows: any)" if e.batch == "dynamic" else ""))
+        pg = m.source.get("prefill_graph")
+        if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization
+            lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}: {pg.get('runs')}")
         q = m.source.get("quantization")
         if q:
             lines.append(f"  quant    {q.get('method')}, {q.get('bits')}-bit, block {q.get('block_size')}, "

@@ -52,6 +52,15 @@ def test_the_build_records_two_graphs_one_weights_file_and_invariance(engines):
     assert inv["equal"] is True and inv["prefill_last_position_delta"] == 0.0
 
 
+def test_inspect_shows_both_graphs_and_the_prefill_quantization(engines):
+    from specrt.manifest import load
+    from specrt.tools.describe import describe
+    text = describe(load(engines))
+    assert "graph    step     T=any  batch/step.onnx  (rows: any)" in text
+    assert "graph    prefill  T=any  batch/prefill.onnx  (rows: any)" in text
+    assert "prefill  rowwise int8 (MatMulIntegerToFloat)" in text
+
+
 def test_prompt_chunks_run_the_prefill_graph_and_decode_steps_the_step_graph(gen):
     gen.generate(PROMPTS[1], max_new_tokens=4)
     m = gen.engine.target
