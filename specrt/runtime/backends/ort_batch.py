@@ -101,6 +101,7 @@ class OrtBatchModel:
         self._ids = np.zeros(rows * t_max, DTYPES[dt["input_ids"]])
         self._past = np.zeros(rows, DTYPES[dt["past_len"]])
         self._pos = np.zeros(rows * t_max, np.int64)
+        self._every = np.arange(t_max, dtype=np.int64)       # logit_pos of a step that wants every position
         self._logits = np.zeros(rows * t_max * V, DTYPES[dt["logits"]])
         kvh, hd = int(d["kv_heads"]), int(d["head_dim"])
         self._new = [np.zeros(rows * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
@@ -132,7 +133,7 @@ class OrtBatchModel:
         np.copyto(ids, tokens)
         np.copyto(past, starts)
         if pos is not None:     # filled every call: bindings of other shapes share the buffer
-            pos[:] = positions if gathered else np.arange(T)
+            pos[:] = positions if gathered else self._every[:T]
         self._sessions[file].run_with_iobinding(binding)
         if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
             for j, buf in enumerate(self.cache.keys + self.cache.values):

@@ -74,6 +74,8 @@ class BatchEngine:
         self._tokens = np.zeros((max_num_seqs, T), np.int64)     # [n, T] a step's token windows
         self._starts = np.zeros(max_num_seqs, np.int64)          # [n] each row's past length
         self._scratch = np.zeros(vocab, np.float32)
+        P = max(target.min_rows, 1)        # a prefill chunk's logit rows: its last P positions
+        self._positions, self._offsets = np.zeros((1, P), np.int64), np.arange(P, dtype=np.int64)
 
     # --- any thread -----------------------------------------------------------------------
     def add(self, req: Request, max_waiting: int | None = None) -> bool:
@@ -176,9 +178,9 @@ class BatchEngine:
         self._starts[0] = row.length
         # logits of the chunk's last token only (the LM head is a fifth of a chunk's cost), over
         # at least min_rows positions; the row is alone in the call, so they depend on its prompt only
-        P = max(self.target.min_rows, 1)
-        lo = max(len(chunk) - P, 0)
-        positions = np.arange(lo, lo + P, dtype=np.int64)[None, :]
+        positions = self._positions
+        lo = max(len(chunk) - positions.shape[1], 0)
+        np.add(self._offsets, lo, out=positions[0])
         logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions)
         row.length += len(chunk)
         self.stats.prefill_chunks += 1
