@@ -63,6 +63,13 @@ engines-int4-rw: $(ENGINES)-int4-rw/manifest.json
 $(ENGINES)-int4-rw/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-prefill rowwise --out $(ENGINES)-int4-rw
 
+# the same int4 engines whose batched model attends with plain ops over the used part of the
+# cache (`--batch-attention rows`, docs/batching.md): its batches speculate;
+# benchmarks/concurrency.py's specrt-int4rows-alt
+engines-int4-rows: $(ENGINES)-int4-rows/manifest.json
+$(ENGINES)-int4-rows/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-attention rows --out $(ENGINES)-int4-rows
+
 bench-precision: engines engines-int8 engines-int4
 	$(BIN)/specrt bench $(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4 --prompts 8 --max-new-tokens 128 --lookup 2
 

@@ -6,8 +6,8 @@ on the same requests, and do they give the same answers?
 
 Each round runs A then B (then B then A the next round, so neither always goes first) with
 all prompts given at once to generate_batch; prints each run's aggregate tok/s, prefill and
-decode-step time from the engine's own counters, the median B/A ratio, and how many answers
-are equal. Both engines open once and stay open (warm). Not part of `make test`.
+decode-step time from the engine's own counters, the steps of each kind the batch chose
+(plain, pair, lookup), the median B/A ratio, and how many answers are equal. Both engines open once and stay open (warm). Not part of `make test`.
 """
 from __future__ import annotations
 
@@ -42,13 +42,15 @@ def main(argv=None) -> int:
         for r in range(a.rounds):
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 g = gens[name]
+                before = dict(g.engine.stats.choices)
                 t0 = time.perf_counter()
                 outs = g.generate_batch(texts, max_new_tokens=a.max_new_tokens, chat=True)
                 dt = time.perf_counter() - t0
                 n = sum(len(o.tokens) for o in outs)
                 speed[name].append(n / dt)
                 answers.setdefault(name, [o.tokens for o in outs])
-                print(f"round {r}  {name}  {n / dt:7.1f} tok/s  ({n} tokens, {dt:.2f} s)", flush=True)
+                steps = {k: v - before.get(k, 0) for k, v in g.engine.stats.choices.items() if v - before.get(k, 0)}
+                print(f"round {r}  {name}  {n / dt:7.1f} tok/s  ({n} tokens, {dt:.2f} s; steps {steps})", flush=True)
     finally:
         for g in gens.values():
             g.close()

@@ -31,7 +31,7 @@ def cmd_build(a) -> int:
                      measure_costs=a.measure_costs, draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
                      precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                      quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head], batch=a.batch,
-                     batch_prefill=a.batch_prefill)
+                     batch_prefill=a.batch_prefill, batch_attention=a.batch_attention)
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
@@ -221,6 +221,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "the target) or 'rowwise' (a second graph with int8 per-channel weights, ONNX Runtime's int8 "
                         "GEMM: ~2.7x faster prefill on CPUs with VNNI/AMX, for an int8 copy of the weights in "
                         "memory); decode steps keep the target's precision")
+    b.add_argument("--batch-attention", choices=("gqa", "rows"), default=None,
+                   help="the batched model's attention: 'gqa' (GroupQueryAttention: on the CPU a batch then runs "
+                        "one token per row, no speculation) or 'rows' (plain ops over each call's used part of the "
+                        "cache: a batch verifies several tokens per row, so it speculates); default: the target's")
     b.add_argument("--quiet", action="store_true", help="no progress bars (specrt's, transformers', Hugging Face's)")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")

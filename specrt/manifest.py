@@ -38,6 +38,7 @@ IO_NAMES = {
 # the batched graphs' (export/batch.py) input choosing which positions get logits; graphs
 # built before it have none and return every position's logits
 LOGIT_POS = "logit_pos"
+KV_POS = "kv_pos"          # batched "rows" graphs: the cache positions a call reads, [L] = 0..L-1
 KV_UPDATES = ("returned", "in_place")   # ModelEntry.kv["update"]
 PER_LAYER_IO = tuple(k for k, v in IO_NAMES.items() if "%d" in v)
 

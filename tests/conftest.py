@@ -113,6 +113,17 @@ def tiny_batch_standard_engines(tmp_path_factory, tiny_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_rows_engines(tmp_path_factory, tiny_pair) -> Path:
+    """The tiny fp32 target (gqa) with its batched copy in plain ops over the used part of the
+    cache (`--batch --batch-attention rows`): a position's logits do not depend on its window
+    from one token a row, so the batch speculates without padding its plain steps."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-rows",
+                 lambda d: build_tiny(d / "batchr", target, "none", batch=True, batch_attention="rows",
+                                      measure_costs=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair

@@ -127,3 +127,19 @@ def test_build_passes_batch_prefill_to_the_config_and_refuses_it_without_batch(c
     assert rc == 0 and seen["cfg"].batch and seen["cfg"].batch_prefill == "rowwise"
     rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch"], capsys)
     assert seen["cfg"].batch_prefill == "same"
+
+
+def test_build_passes_batch_attention_to_the_config(capsys, tmp_path, monkeypatch):
+    import specrt.build.pipeline as pipeline
+    seen = {}
+
+    def fake_build(cfg, progress=True, force=False):      # the CLI's plumbing only: no export
+        seen["cfg"] = cfg
+        return tmp_path / "out"
+    monkeypatch.setattr(pipeline, "build", fake_build)
+    rc, _, err = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch-attention", "rows"],
+                      capsys)
+    assert rc == 2 and "add --batch" in err and "cfg" not in seen
+    rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--batch-attention",
+                     "rows"], capsys)
+    assert rc == 0 and seen["cfg"].batch_attention == "rows"

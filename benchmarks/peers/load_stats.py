@@ -19,7 +19,13 @@ RATIOS = (("specrt int4 / genai int4 static batches", "specrt-int4", "genai-int4
           ("specrt int4+int8 prefill alt / genai int4 static batches", "specrt-int4rw-alt", "genai-int4", 8),
           ("specrt int4+int8 prefill alt / OpenVINO int4", "specrt-int4rw-alt", "openvino-int4", 8),
           ("specrt int4+int8 prefill alt / specrt int4 alt", "specrt-int4rw-alt", "specrt-int4-alt", 8),
-          ("specrt int4+int8 prefill alt / its single stream", "specrt-int4rw-alt", "specrt-int4-stream", 1))
+          ("specrt int4+int8 prefill alt / its single stream", "specrt-int4rw-alt", "specrt-int4-stream", 1),
+          ("specrt int4 rows alt / genai int4 static batches", "specrt-int4rows-alt", "genai-int4", 8),
+          ("specrt int4 rows alt / OpenVINO int4", "specrt-int4rows-alt", "openvino-int4", 8),
+          ("specrt int4 rows alt / specrt int4 alt", "specrt-int4rows-alt", "specrt-int4-alt", 8),
+          ("specrt int4 rows alt / its single stream", "specrt-int4rows-alt", "specrt-int4-stream", 1),
+          ("specrt int4 rows alt / specrt int4 alt (1 client)", "specrt-int4rows-alt", "specrt-int4-alt", 1),
+          ("specrt int4 alt / specrt int4 server, one request per engine", "specrt-int4-alt", "specrt-int4", 1))
 
 
 def _pct(xs: list[float], q: float) -> float | None:

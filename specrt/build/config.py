@@ -26,6 +26,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
 # more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
 BATCH_PREFILL = ("same", "rowwise")     # BuildConfig.batch_prefill
+BATCH_ATTENTION = ("gqa", "rows")       # BuildConfig.batch_attention
 PRECISIONS = {
     "fp32": None,
     "int8": {"method": "matmulnbits", "bits": 8, "block_size": 32, "accuracy_level": 4, "lm_head": True},
@@ -107,6 +108,10 @@ class BuildConfig:
     # ONNX Runtime's int8 GEMM, ~2.7x faster than int4 MatMulNBits on a 48-token chunk on this
     # CPU, at the cost of an int8 copy of the weights); decode steps keep the target's precision
     batch_prefill: str = "same"
+    # the batched graph's attention: None (the target's), "gqa" (GroupQueryAttention) or "rows"
+    # (plain ops over the first L cache positions, export/batch.py: a batch can verify several
+    # tokens per row, so it speculates; GroupQueryAttention on the CPU cannot)
+    batch_attention: str | None = None
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -140,6 +145,10 @@ class BuildConfig:
                               "CPU only so far (the GPU's static row buckets are not built yet): leave --batch out")
         if self.batch_prefill not in BATCH_PREFILL:
             raise ConfigError(f"batch_prefill={self.batch_prefill!r}; choose one of {', '.join(BATCH_PREFILL)}")
+        if self.batch_attention is not None and self.batch_attention not in BATCH_ATTENTION:
+            raise ConfigError(f"batch_attention={self.batch_attention!r}; choose one of {', '.join(BATCH_ATTENTION)}")
+        if self.batch_attention is not None and not self.batch:
+            raise ConfigError(f"--batch-attention {self.batch_attention} sets the batched model's attention: add --batch")
         if self.batch_prefill != "same" and not self.batch:
             raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":

@@ -48,10 +48,10 @@ from specrt.export.graph import StaticDecoder
 from specrt.export.rotary import cos_sin
 
 DYNAMIC = "dynamic"
-BATCH_DIM, TOKENS_DIM, POSITIONS_DIM = "batch", "tokens", "positions"   # the ONNX names of the symbolic dims
+BATCH_DIM, TOKENS_DIM, POSITIONS_DIM, KV_DIM = "batch", "tokens", "positions", "kv_len"   # the ONNX names of the symbolic dims
 # example sizes the exporter traces a symbolic dim with: >= 2 (torch.export specialises 0 and 1)
 # and different from each other, so no guard can tie B to T or P
-TRACE_BATCH, TRACE_TOKENS, TRACE_POSITIONS = 2, 3, 4
+TRACE_BATCH, TRACE_TOKENS, TRACE_POSITIONS, TRACE_KV = 2, 3, 4, 16
 
 
 class BatchedDecoder(StaticDecoder):
@@ -78,6 +78,7 @@ class BatchedDecoder(StaticDecoder):
         T = TRACE_TOKENS if self.T == DYNAMIC else self.T
         return (torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                 torch.zeros(B, TRACE_POSITIONS, dtype=torch.int64),
+                *([torch.arange(TRACE_KV, dtype=torch.int64)] if self.attention == "rows" else []),
                 *[torch.zeros(B, d.kv_heads, self.M, d.head_dim, dtype=self.dtype) for _ in range(2 * d.layers)])
 
     def dynamic_shapes(self) -> tuple:
@@ -87,10 +88,13 @@ class BatchedDecoder(StaticDecoder):
         b = {0: BATCH_DIM} if self.B == DYNAMIC else {}
         t = {1: TOKENS_DIM} if self.T == DYNAMIC else {}
         # structured as forward's parameters: input_ids, past_len, logit_pos, then *past as one tuple
-        return ({**b, **t}, dict(b), {**b, 1: POSITIONS_DIM}, tuple(dict(b) for _ in range(2 * self.dims.layers)))
+        kv = ({0: KV_DIM},) if self.attention == "rows" else ()
+        return ({**b, **t}, dict(b), {**b, 1: POSITIONS_DIM},
+                (*kv, *(dict(b) for _ in range(2 * self.dims.layers))))
 
     def forward(self, input_ids, past_len, logit_pos, *past):
         # input_ids: [B, T]; past_len: [B]; logit_pos: [B, P]; past: 2*L tensors [B, KVH, M, D]
+        # ("rows": kv_pos [L] first, then the caches)
         B, T = input_ids.shape
         self._positions = logit_pos
         pos = past_len[:, None] + torch.arange(T)[None, :]                    # [B, T]
@@ -98,6 +102,9 @@ class BatchedDecoder(StaticDecoder):
         if self.attention == "gqa":
             return self._rows_gqa(x, past_len, T, past)
         ropes = self._ropes_rows(pos)
+        if self.attention == "rows":
+            kv_pos, past = past[0], past[1:]
+            return self._rows_masked(x, past_len, pos, kv_pos, past, ropes)
         if self.attention == "standard":
             # row b's token t attends to cache rows j <= pos[b, t]; in a sliding-window layer only
             # to j > pos[b, t] - window (graph.py's _forward_standard, per row)
@@ -118,6 +125,28 @@ class BatchedDecoder(StaticDecoder):
             x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, causal, ropes[layer.rotary])
             new_kv += [k, v]
         return (self._head(x), *new_kv)
+
+    def _rows_masked(self, x, past_len, pos, kv_pos, past, ropes):
+        # kv_pos [L]: the cache positions this call reads (0..L-1, L >= every row's length + T);
+        # each row's new K/V are written in place first (TensorScatter), then its queries,
+        # grouped per kv head ([B, KVH, G*T, D]: G*T >= 2 rows in every MatMul), attend to the
+        # first L cache positions, masked per row: j <= pos[b, t] (and > pos - window)
+        G = self.dims.group
+        L = kv_pos.shape[0]
+        causal = kv_pos[None, None, :] <= pos[:, :, None]                                 # [B, T, L]
+        attend = {w: (causal if w is None else causal & (kv_pos[None, None, :] > (pos - w)[:, :, None]))
+                  .repeat(1, G, 1).unsqueeze(1) for w in {layer.window for layer in self.layers}}   # [B, 1, G*T, L]
+        tables = {"none": None}
+        if self.spec.positions == "rope":
+            tables["global"] = (self.cos_cache, self.sin_cache, ropes["global"])
+            if hasattr(self, "cos_cache_local"):
+                tables["local"] = (self.cos_cache_local, self.sin_cache_local, ropes["local"])
+        present = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.forward_rows(x, past[2 * i], past[2 * i + 1], past_len, pos, L, attend[layer.window],
+                                         tables[layer.rotary])
+            present += [k, v]
+        return (self._head(x), *present)
 
     def _head(self, x):
         # [B, T, C] -> the final norm over all T -> the P rows of logit_pos -> logits [B, P, V]

@@ -244,8 +244,8 @@ class StaticDecoder(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap   # Gemma 2: cap * tanh(logits / cap)
 
 
-ATTENTION = ("gqa", "portable", "standard")
-IN_PLACE = ("gqa", "standard")     # graphs whose present_* outputs alias the past_* inputs
+ATTENTION = ("gqa", "portable", "standard", "rows")
+IN_PLACE = ("gqa", "standard", "rows")     # graphs whose present_* outputs alias the past_* inputs
 
 
 def _norm(spec, x, w, b, eps):
@@ -402,6 +402,39 @@ class _Layer(nn.Module):
         o, _, _, _ = torch.onnx.ops.attention(q, present_k, present_v, attend, scale=self.scale,
                                               softcap=float(self.softcap or 0.0))
         o = o.transpose(1, 2).reshape(B, T, H * D)                                 # [B, H, T, D] -> [B, T, H*D]
+        return self._mlp(x + self._out(o)), present_k, present_v
+
+    def forward_rows(self, x, past_k, past_v, past_len, pos, L, attend, rope):
+        # x: [B, T, C]; past_k/v: [B, KVH, M, D] (present = past with rows past_len[b].. overwritten);
+        # pos [B, T]; attention over the first L cache positions; attend: [B, 1, G*T, L] bool;
+        # rope: (cos_cache, sin_cache [M, R/2], the eager per-row (cos, sin, rot)) or None
+        d = self.dims
+        B, T, H, KVH, D, G = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
+        h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
+        qk, v = self._lin(h, self.qkv, self.qkv_b).split([(H + KVH) * D, KVH * D], dim=-1)
+        if self.qk_norm is not None:
+            qk = _norm(self.spec, qk.view(B, T, H + KVH, D), self.qk_norm, None, d.eps).reshape(B, T, (H + KVH) * D)
+        exported = torch.onnx.is_in_onnx_export()
+        if rope is not None and exported:
+            # one RotaryEmbedding over q and k heads together (per-row position_ids): exact per
+            # element, and one op instead of the rotate-half MatMul chain
+            cos_cache, sin_cache, _ = rope
+            qk = torch.onnx.ops.symbolic(
+                "com.microsoft::RotaryEmbedding", [qk, pos, cos_cache, sin_cache],
+                dict(interleaved=0, num_heads=H + KVH, rotary_embedding_dim=2 * cos_cache.shape[1]),
+                dtype=qk.dtype, shape=qk.shape, version=1)
+        qk = qk.view(B, T, H + KVH, D).transpose(1, 2)                                   # [B, H+KVH, T, D]
+        if rope is not None and not exported:
+            cos, sin, rot = rope[2]
+            qk = qk * cos + (qk @ rot) * sin
+        q, k = qk[:, :H], qk[:, H:]
+        v = v.view(B, T, KVH, D).transpose(1, 2)                                         # [B, KVH, T, D]
+        present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
+        qg = q.reshape(B, KVH, G * T, D)
+        keys, values = present_k[:, :, :L], present_v[:, :, :L]
+        s = self._cap((qg @ keys.transpose(-1, -2)) * self.scale).masked_fill(~attend, float("-inf"))  # [B, KVH, G*T, L]
+        o = torch.softmax(s, dim=-1) @ values                                            # [B, KVH, G*T, D]
+        o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         return self._mlp(x + self._out(o)), present_k, present_v
 
     def _mlp(self, x):

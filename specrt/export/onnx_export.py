@@ -22,7 +22,7 @@ from specrt.export.sources import LoadedModel
 
 log = logging.getLogger(__name__)
 OPSET = 20
-OPSET_BY_ATTENTION = {"standard": 24}   # TensorScatter is opset 24; Attention 23/24
+OPSET_BY_ATTENTION = {"standard": 24, "rows": 24}   # TensorScatter is opset 24; Attention 23/24
 # graph precision -> torch dtype of weights, activations and the KV cache (logits stay fp32)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 KV_DTYPE = {"fp32": "float32", "fp16": "float16"}
@@ -54,13 +54,15 @@ def _replace_layers(dims, layers):
     return replace(dims, layers=layers)
 
 
-def io_names(layers: int, in_place: bool = False, batched: bool = False) -> tuple[list[str], list[str]]:
+def io_names(layers: int, in_place: bool = False, batched: bool = False,
+             kv_pos: bool = False) -> tuple[list[str], list[str]]:
     """batched: the per-row contract's inputs (export/batch.py), with logit_pos after past_len."""
     n = mf.IO_NAMES
     out = ("present_key", "present_value") if in_place else ("new_key", "new_value")
     past = [n[kv] % i for i in range(layers) for kv in ("past_key", "past_value")]
     new = [n[kv] % i for i in range(layers) for kv in out]
-    return [n["input_ids"], n["past_len"], *([mf.LOGIT_POS] if batched else []), *past], [n["logits"], *new]
+    return ([n["input_ids"], n["past_len"], *([mf.LOGIT_POS] if batched else []), *([mf.KV_POS] if kv_pos else []),
+             *past], [n["logits"], *new])
 
 
 EXPORTER_LOGGER = "torch.onnx._internal.exporter._registration"
@@ -93,7 +95,7 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     d, T = module.dims, module.T
     args = module.example_inputs()
     inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE,
-                               batched=isinstance(module, BatchedDecoder))
+                               batched=isinstance(module, BatchedDecoder), kv_pos=module.attention == "rows")
     quiet = io.StringIO()
     # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar
     try:

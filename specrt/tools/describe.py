@@ -104,6 +104,9 @@ def describe(man: mf.Manifest) -> str:
             lines.append(f"  graph    {g:<8} T={T:<4} {e.file}"
                          + (f"  engine {e.engine['file']} {_mb(e.engine['bytes'])}" if e.engine else "")
                          + ("  (rows: any)" if e.batch == "dynamic" else ""))
+        if role == "batch" and m.source.get("attention"):
+            lines.append(f"  attention {m.source['attention']}"
+                         + (" (several tokens a row in a batch: speculates)" if m.source["attention"] == "rows" else ""))
         pg = m.source.get("prefill_graph")
         if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization
             lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}: {pg.get('runs')}")

@@ -46,6 +46,7 @@ class _Session:
     feeds name it, so a batched call compares with the one-row graphs' [T, V] logits."""
 
     def __init__(self, path):
+        self.path = path
         self.sess = ort.InferenceSession(str(path), session_options(2), providers=["CPUExecutionProvider"])
         self.positions = any(i.name == "logit_pos" for i in self.sess.get_inputs())
 
@@ -319,3 +320,73 @@ def test_the_portable_batched_graph_refuses_sliding_windows(windowed, tmp_path):
     with pytest.raises(ExportError, match="--attention gqa"):
         onnx_export.export_model(windowed[0], SHAPES, tmp_path, attention="portable", batch="dynamic",
                                  tokens={"step": "dynamic"})
+
+
+# --- "rows": plain ops over the first L cache positions (a batch verifies windows) ---
+
+@pytest.fixture(scope="module")
+def rows_graph(llama):
+    tmp, lm = llama
+    part = onnx_export.export_model(lm, SHAPES, tmp / "batched-rows", attention="rows", batch="dynamic",
+                                    tokens={"step": "dynamic"})
+    return _session(tmp / "batched-rows" / "step.onnx"), part
+
+
+def _rows_feeds(ids, lens, caches, L):
+    return {**_feeds(ids, lens, [c.copy() for c in caches]), "kv_pos": np.arange(L, dtype=np.int64)}
+
+
+def test_rows_graph_reads_kv_pos_and_writes_the_cache_in_place(rows_graph):
+    sess, part = rows_graph
+    ins = {i.name: i.shape for i in sess.sess.get_inputs()}
+    assert ins["kv_pos"] == ["kv_len"] and ins["input_ids"] == ["batch", "tokens"]
+    assert part["kv_update"] == "in_place" and part["attention"] == "rows"
+    assert "TensorScatter" in {n.op_type for n in onnx.load(str(sess.path), load_external_data=False).graph.node}
+
+
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_rows_graph_is_the_portable_graph_within_rounding_and_its_rows_are_batch_invariant(exports, rows_graph, T):
+    """Row b of a B-row call, bit for bit, is the same row alone (with its own, shorter kv_pos);
+    and the arithmetic is the portable graph's (within float rounding: another order of sums)."""
+    sess, _ = rows_graph
+    ids, caches = _random_rows(len(LENS), T, seed=5)
+    L = SHAPES.kv_capacity
+    got = sess.run(None, _rows_feeds(ids, LENS, caches, L))
+    portable = _session(exports["portable"][1] / "step.onnx").run(None, _feeds(ids, LENS, caches))
+    np.testing.assert_allclose(got[0], portable[0], rtol=0, atol=1e-4)
+    for b in range(len(LENS)):
+        alone = sess.run(None, _rows_feeds(ids[b:b + 1], LENS[b:b + 1], [c[b:b + 1] for c in caches],
+                                           LENS[b] + T))
+        for g, w in zip(got, alone):
+            np.testing.assert_array_equal(g[b], w[0], err_msg=f"row {b} (past_len {LENS[b]}, T={T})")
+        # the K/V it wrote: the portable graph's new rows, at the row's own offset
+        for i in range(LAYERS):
+            s = LENS[b]
+            np.testing.assert_allclose(got[1 + 2 * i][b][:, s:s + T], portable[1 + 2 * i][b], rtol=0, atol=1e-5)
+
+
+def test_rows_graph_does_not_depend_on_how_much_cache_it_reads(rows_graph):
+    """kv_pos may be any length >= the longest row's length + T (the runtime rounds it up and
+    the batch's longest row sets it): a row's outputs are the same bit for bit."""
+    sess, _ = rows_graph
+    lens, T = [3, 20, 9], 4
+    ids, caches = _random_rows(len(lens), T, seed=6)
+    outs = [sess.run(None, _rows_feeds(ids, lens, caches, L)) for L in (24, 31, 64, SHAPES.kv_capacity)]
+    for other in outs[1:]:
+        for g, w in zip(other, outs[0]):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_rows_graph_positions_agree_whatever_window_they_are_computed_in(rows_graph):
+    """What lets a batch speculate: a position's logits are the same in a one-token step, a
+    two-token step or a 4-token verify window (the gate's window_invariance, on the tiny model)."""
+    sess, _ = rows_graph
+    lens = [5, 17, 0]
+    ids, caches = _random_rows(len(lens), 4, seed=7)
+    window = sess.run(None, _rows_feeds(ids, lens, caches, 40))
+    steps = [c.copy() for c in caches]
+    for t in range(4):
+        f = _feeds(ids[:, t:t + 1], [x + t for x in lens], steps)
+        out = sess.run(None, {**f, "kv_pos": np.arange(40, dtype=np.int64)})
+        np.testing.assert_array_equal(out[0][:, 0], window[0][:, t], err_msg=f"position {t}")
+        steps = out[1:]

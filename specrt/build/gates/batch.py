@@ -46,7 +46,8 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     shapes = cfg.shapes
     rowwise = cfg.batch_prefill == "rowwise"
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise else "_batch_fp32")
-    part = onnx_export.export_model(tgt, shapes, src, attention=target_part.get("attention", cfg.attention),
+    attention = cfg.batch_attention or target_part.get("attention", cfg.attention)
+    part = onnx_export.export_model(tgt, shapes, src, attention=attention,
                                     batch="dynamic", tokens={"step": "dynamic"})
     if cfg.precision != "fp32" or rowwise:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
@@ -56,12 +57,13 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
         q = quantize.quantize_graphs(src, part, tmp / "batch", tuple(specs), specs, source={g: "step" for g in specs})
         part = {**part, **{k: q[k] for k in ("graphs", "weights")}}
         shutil.rmtree(src)
-    source = {**target_part["source"], "derived": "the target with a batch dimension (export/batch.py)"}
+    source = {**target_part["source"], "derived": "the target with a batch dimension (export/batch.py)",
+              "attention": attention}
     if rowwise:     # what `specrt inspect` shows of the second graph
         source["prefill_graph"] = {"runs": "prefill chunks (decode and verify steps run step)",
                                    **quantize.QuantSpec("rowwise").describe()}
     part.update(subdir="batch", family=target_part["family"], precision=target_part["precision"], source=source,
-                kv=target_part["kv"])
+                kv={**target_part["kv"], "update": part["kv_update"]})
     part["parity"] = {"batch_invariance": invariance(tmp, part, shapes, prompts),
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
                       "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts)}
@@ -158,40 +160,47 @@ def agreement(tmp: Path, part: dict, target_part: dict, shapes, prompts) -> dict
 
 
 def window_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
-    """Each row's greedy steps as two-token steps (the token and a padding token, all rows in
-    one call) vs the same positions inside (k+1)-token windows (teacher-forced on the
-    two-token steps' tokens), bit for bit. Two tokens, not one: ONNX Runtime's CPU MatMul
-    takes another path for a single row of two computed inputs (attention's Q.K^T and P.V)
-    and rounds differently there, while 2..k+1 rows agree; so a batch that speculates runs
-    every target pass with at least MIN_TOKENS tokens a row (the runtime pads plain steps)."""
+    """Each row's greedy steps as m-token steps (the token and m - 1 padding tokens, all rows in
+    one call) vs the same positions inside (m+1)- to (k+1)-token windows (teacher-forced on the
+    m-token steps' tokens), bit for bit; m = 1, else MIN_TOKENS. ONNX Runtime's CPU MatMul takes
+    another path for a single row of two computed inputs (attention's Q.K^T and P.V) and rounds
+    differently there, while 2..k+1 rows agree: a graph whose attention MatMuls see one row per
+    token (ONNX Attention, one query per head) holds only from two tokens a row, so a batch
+    that speculates runs every target pass with `min_tokens` tokens a row (the runtime pads
+    plain steps); the "rows" graphs group a kv head's G queries (G*T rows) and hold from one."""
     model = _model(tmp, part, shapes, len(prompts))
     if model.multi_token_rows is not None:
         return {"equal": False, "reason": "GroupQueryAttention on the CPU runs several tokens per row only for one "
                                           "row, so a batch cannot verify windows"}
     rows_ids = [list(p[:shapes.max_context - STEPS - shapes.k - 2]) for p in prompts]
     n, W = len(rows_ids), shapes.k + 1
-    win = _model(tmp, part, shapes, n)
-    cur = _prefill(model, rows_ids, shapes)
-    _prefill(win, rows_ids, shapes)
-    L = np.array([len(r) for r in rows_ids], np.int64)
-    toks, ref = [list(cur)], []
-    pair = np.zeros((n, MIN_TOKENS), np.int64)
-    for j in range(STEPS):
-        pair[:, 0] = toks[-1]
-        logits = model.step("step", pair, L + j, 0)[:, 0].copy()
-        ref.append(logits)
-        toks.append([int(x) for x in np.argmax(logits, axis=-1)])
-    seq = np.array(toks[:STEPS], np.int64).T          # [n, STEPS]: the token fed at each position
-    ref = np.stack(ref, axis=1)                       # [n, STEPS, V]
-    worst = 0.0
-    for size in range(MIN_TOKENS + 1, W + 1):      # every verify window a step may run
-        for s0 in range(0, STEPS - size + 1, size):
-            got = win.step("step", seq[:, s0:s0 + size], L + s0, 0)[:, :size].copy()
-            worst = max(worst, float(np.max(np.abs(got - ref[:, s0:s0 + size]))))
-    log.info("window invariance: %d rows x %d positions, %d-token steps vs windows of %d, max |delta| %.3g",
-             n, STEPS, MIN_TOKENS, W, worst)
-    return {"rows": n, "positions": STEPS, "window": W, "min_tokens": MIN_TOKENS, "equal": worst == 0.0,
-            "max_abs_logit_delta": worst}
+    worst = {}
+    for m in (1, MIN_TOKENS):
+        model, win = _model(tmp, part, shapes, n), _model(tmp, part, shapes, n)
+        cur = _prefill(model, rows_ids, shapes)
+        _prefill(win, rows_ids, shapes)
+        L = np.array([len(r) for r in rows_ids], np.int64)
+        toks, ref = [list(cur)], []
+        pad = np.zeros((n, m), np.int64)
+        for j in range(STEPS):
+            pad[:, 0] = toks[-1]
+            logits = model.step("step", pad, L + j, 0)[:, 0].copy()
+            ref.append(logits)
+            toks.append([int(x) for x in np.argmax(logits, axis=-1)])
+        seq = np.array(toks[:STEPS], np.int64).T          # [n, STEPS]: the token fed at each position
+        ref = np.stack(ref, axis=1)                       # [n, STEPS, V]
+        worst[m] = 0.0
+        for size in range(max(m + 1, 2), W + 1):         # every verify window a step may run
+            for s0 in range(0, STEPS - size + 1, size):
+                got = win.step("step", seq[:, s0:s0 + size], L + s0, 0)[:, :size].copy()
+                worst[m] = max(worst[m], float(np.max(np.abs(got - ref[:, s0:s0 + size]))))
+        log.info("window invariance: %d rows x %d positions, %d-token steps vs windows of up to %d, max |delta| %.3g",
+                 n, STEPS, m, W, worst[m])
+        if worst[m] == 0.0:
+            break
+    m = min(worst, key=lambda t: (worst[t] != 0.0, t))
+    return {"rows": n, "positions": STEPS, "window": W, "min_tokens": m, "equal": worst[m] == 0.0,
+            "max_abs_logit_delta": worst[m], **({"one_token_delta": worst[1]} if m != 1 else {})}
 
 
 def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from specrt.errors import BackendError, ConfigError, ManifestError
-from specrt.manifest import LOGIT_POS, ModelEntry, Shapes
+from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, Step
 from specrt.runtime.backends.lifecycle import GraphLifecycle
 from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, check_multi_token_rows
@@ -187,6 +187,10 @@ class DeviceBatchModel:
             raise BackendError(f"ONNX Runtime {ort.__version__} could not load {path} on {execution} "
                                f"({type(e).__name__}: {str(e).strip()[:500]})") from e
         self.has_positions = any(i.name == LOGIT_POS for i in self.session.get_inputs())
+        if any(i.name == KV_POS for i in self.session.get_inputs()):
+            raise ManifestError(f"the {entry.role} graph was built with --batch-attention rows, whose calls read a "
+                                "cache length that changes with every step (no fixed shape to capture): device "
+                                "buckets need the gqa batched graph (rebuild without --batch-attention rows)")
         self.graph_tokens = {"prefill": shapes.prefill_chunk, "decode": 1, "verify": shapes.k + 1}
         self.min_rows = int(entry.io.get("min_rows", 1))
         # ONNX Runtime's CPU GroupQueryAttention runs several tokens per row for one row only

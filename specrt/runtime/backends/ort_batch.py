@@ -26,11 +26,12 @@ import onnx
 import onnxruntime as ort
 
 from specrt.errors import BackendError, GraphFileError, ManifestError
-from specrt.manifest import LOGIT_POS, ModelEntry, Shapes
+from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
 
 
-ALIASES = ("prefill", "decode", "verify")     # the engine's graph names, served by "step" unless named
+ALIASES = ("prefill", "decode", "verify")
+KV_BLOCK = 64      # a "rows" graph reads the cache in multiples of this many positions     # the engine's graph names, served by "step" unless named
 
 
 class BatchKV:
@@ -93,6 +94,10 @@ class OrtBatchModel:
                 self._sessions[f] = _session(root / f, threads)
         # graphs built before logit_pos existed return every position: the positions are picked here
         self.has_positions = {f: any(i.name == LOGIT_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
+        # "rows" graphs read the first L cache positions, L = kv_pos's length: the longest row's
+        # length after the step, rounded up to KV_BLOCK (a row's result does not depend on L)
+        self.has_kv_pos = {f: any(i.name == KV_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
+        self._kv_pos = np.arange(shapes.kv_capacity, dtype=np.int64)
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
@@ -129,7 +134,10 @@ class OrtBatchModel:
         gathered = positions is not None and self.has_positions[file]
         P = positions.shape[1] if gathered else T
         assert not gathered or n * P >= self.min_rows, (graph, n, P, self.min_rows)
-        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n, T, P)
+        L = 0
+        if self.has_kv_pos[file]:
+            L = min(-(-(int(starts.max()) + T) // KV_BLOCK) * KV_BLOCK, len(self._kv_pos))
+        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n, T, P, L)
         np.copyto(ids, tokens)
         np.copyto(past, starts)
         if pos is not None:     # filled every call: bindings of other shapes share the buffer
@@ -145,8 +153,8 @@ class OrtBatchModel:
             return np.take_along_axis(logits, np.asarray(positions)[:, :, None], axis=1)
         return logits
 
-    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int):
-        key = (self._file_of[graph], first_row, n, T, P)
+    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int, L: int = 0):
+        key = (self._file_of[graph], first_row, n, T, P, L)
         if key in self._bindings:
             return self._bindings[key][:6]
         sess, io = self._sessions[key[0]], self.io
@@ -167,6 +175,8 @@ class OrtBatchModel:
         b.bind_ortvalue_output(io["logits"], value(logits))
         if pos is not None:
             b.bind_ortvalue_input(LOGIT_POS, value(pos))
+        if L:
+            b.bind_ortvalue_input(KV_POS, value(self._kv_pos[:L]))
         new = []
         layers = self.entry.layers
         for i in range(layers):
