@@ -75,6 +75,16 @@ def print_level(clients: int, rows: list[dict], order: list[str]) -> None:
     print(flush=True)
 
 
+def round_ratios(num: dict, den: dict) -> list[float]:
+    """num's aggregate tok/s over den's, round by round (--rounds R: in round i both ran within a
+    minute of each other, so a slow minute of the shared machine weighs on both); [] with one
+    round, or when the two did not run the same rounds."""
+    a, b = num.get("rounds_agg_tok_s") or [], den.get("rounds_agg_tok_s") or []
+    if len(a) < 2 or len(a) != len(b):
+        return []
+    return [x / y for x, y in zip(a, b)]
+
+
 def print_summary(report: dict) -> dict:
     res = report["results"]
     out = {}
@@ -85,8 +95,14 @@ def print_summary(report: dict) -> dict:
         if num in level and den in level:
             ratio = level[num]["agg_tok_s"] / level[den]["agg_tok_s"]
             out[name] = {"clients": clients, "numerator": num, "denominator": den, "ratio": ratio}
+            per_round = round_ratios(level[num], level[den])
+            if per_round:
+                out[name]["round_ratios"] = per_round
+                out[name]["median_round_ratio"] = float(np.median(per_round))
             print(f"  {clients} client{'s' if clients > 1 else ''}: {name}: {level[num]['agg_tok_s']:.1f} / "
-                  f"{level[den]['agg_tok_s']:.1f} = x{ratio:.2f}")
+                  f"{level[den]['agg_tok_s']:.1f} = x{ratio:.2f}"
+                  + (f"; round by round x{np.median(per_round):.2f} ({', '.join(f'x{r:.2f}' for r in per_round)})"
+                     if per_round else ""))
     print("batch invariance (requests equal to the same system's answer alone), by clients:")
     names = list(report["systems"])
     for s in names:
