@@ -406,7 +406,8 @@ class _Layer(nn.Module):
 
     def forward_rows(self, x, past_k, past_v, past_len, pos, L, attend, rope):
         # x: [B, T, C]; past_k/v: [B, KVH, M, D] (present = past with rows past_len[b].. overwritten);
-        # pos [B, T]; attention over the first L cache positions; attend: [B, 1, G*T, L] bool;
+        # pos [B, T]; attention over the first L cache positions; attend: [B, 1, R*T, L] bool (R = G, or 2
+        # when G = 1);
         # rope: (cos_cache, sin_cache [M, R/2], the eager per-row (cos, sin, rot)) or None
         d = self.dims
         B, T, H, KVH, D, G = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
@@ -430,10 +431,15 @@ class _Layer(nn.Module):
         q, k = qk[:, :H], qk[:, H:]
         v = v.view(B, T, KVH, D).transpose(1, 2)                                         # [B, KVH, T, D]
         present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
-        qg = q.reshape(B, KVH, G * T, D)
+        # a kv head's queries as the rows of one MatMul: G*T of them; with one query head per kv head
+        # (G = 1) each query twice, so a one-token step still has two rows (a single row takes ONNX
+        # Runtime's one-row path, whose sums over the L cache positions round differently as L changes)
+        qg = q.reshape(B, KVH, G * T, D) if G > 1 else torch.cat([q, q], dim=2)
         keys, values = present_k[:, :, :L], present_v[:, :, :L]
-        s = self._cap((qg @ keys.transpose(-1, -2)) * self.scale).masked_fill(~attend, float("-inf"))  # [B, KVH, G*T, L]
-        o = torch.softmax(s, dim=-1) @ values                                            # [B, KVH, G*T, D]
+        s = self._cap((qg @ keys.transpose(-1, -2)) * self.scale).masked_fill(~attend, float("-inf"))  # [B, KVH, R*T, L]
+        o = torch.softmax(s, dim=-1) @ values                                            # [B, KVH, R*T, D]
+        if G == 1:
+            o = o[:, :, :T]
         o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         return self._mlp(x + self._out(o)), present_k, present_v
 

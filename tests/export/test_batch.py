@@ -390,3 +390,33 @@ def test_rows_graph_positions_agree_whatever_window_they_are_computed_in(rows_gr
         out = sess.run(None, {**f, "kv_pos": np.arange(40, dtype=np.int64)})
         np.testing.assert_array_equal(out[0][:, 0], window[0][:, t], err_msg=f"position {t}")
         steps = out[1:]
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3_text", "phi3", "gpt2"])
+def test_rows_graph_of_each_family_is_its_reference_graph_and_batch_invariant(case, tmp_path):
+    """What each family brings to the rows graph: soft-caps and sliding windows (Gemma 2), local
+    and global rotary tables (Gemma 3), a partial rotary (Phi-3), learned positions and plain
+    multi-head attention (GPT-2: one query head per kv head, whose one-token rows are doubled).
+    The rows graph is the standard (windows) or portable batched graph within float rounding,
+    and each of its rows is the row alone (with its own, shorter kv_pos), bit for bit."""
+    from tiny_models import ARCHITECTURE_CASES
+    family, extra = ARCHITECTURE_CASES.get(case, (case, None))
+    lm = sources.load_source(make_tiny_model_dir(tmp_path / "model", family, layers=LAYERS, extra=extra))
+    windowed = any(lm.dims.window(i) for i in range(LAYERS))
+    ref_att = "standard" if windowed else "portable"
+    for att in (ref_att, "rows"):
+        onnx_export.export_model(lm, SHAPES, tmp_path / att, attention=att, batch="dynamic", tokens={"step": "dynamic"})
+    rows, ref = _session(tmp_path / "rows" / "step.onnx"), _session(tmp_path / ref_att / "step.onnx")
+    d = lm.dims
+    rng = np.random.default_rng(8)
+    for T in (1, 4):
+        caches = [rng.standard_normal((len(LENS), d.kv_heads, SHAPES.kv_capacity, d.head_dim)).astype(np.float32)
+                  for _ in range(2 * LAYERS)]
+        ids = rng.integers(5, 128, (len(LENS), T))
+        got = rows.run(None, _rows_feeds(ids, LENS, caches, SHAPES.kv_capacity))
+        want = ref.run(None, _feeds(ids, LENS, caches))
+        np.testing.assert_allclose(got[0], want[0], rtol=0, atol=2e-4, err_msg=f"{case} T={T}")
+        for b in range(len(LENS)):
+            alone = rows.run(None, _rows_feeds(ids[b:b + 1], LENS[b:b + 1], [c[b:b + 1] for c in caches],
+                                               LENS[b] + T))
+            np.testing.assert_array_equal(got[0][b], alone[0][0], err_msg=f"{case} row {b} T={T}")
