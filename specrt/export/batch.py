@@ -129,15 +129,17 @@ class BatchedDecoder(StaticDecoder):
     def _rows_masked(self, x, past_len, pos, kv_pos, past, ropes):
         # kv_pos [L]: the cache positions this call reads (0..L-1, L >= every row's length + T);
         # each row's new K/V are written in place first (TensorScatter), then its queries,
-        # grouped per kv head ([B, KVH, G*T, D]: G*T >= 2 rows in every MatMul; G = 1: each query
-        # twice), attend to the
+        # grouped per kv head ([B, KVH, G*T, D]: G*T >= 2 rows in every MatMul; G = 1: the first
+        # query once more), attend to the
         # first L cache positions, masked per row: j <= pos[b, t] (and > pos - window)
         G = self.dims.group
-        R = G if G > 1 else 2          # query rows per kv head and token (graph.py's forward_rows)
         L = kv_pos.shape[0]
         causal = kv_pos[None, None, :] <= pos[:, :, None]                                 # [B, T, L]
-        attend = {w: (causal if w is None else causal & (kv_pos[None, None, :] > (pos - w)[:, :, None]))
-                  .repeat(1, R, 1).unsqueeze(1) for w in {layer.window for layer in self.layers}}   # [B, 1, R*T, L]
+
+        def rows(m):    # the mask of each query row (graph.py's forward_rows): G*T, or T + 1 when G = 1
+            return (m.repeat(1, G, 1) if G > 1 else torch.cat([m, m[:, :1]], dim=1)).unsqueeze(1)
+        attend = {w: rows(causal if w is None else causal & (kv_pos[None, None, :] > (pos - w)[:, :, None]))
+                  for w in {layer.window for layer in self.layers}}                     # [B, 1, G*T, L]
         tables = {"none": None}
         if self.spec.positions == "rope":
             tables["global"] = (self.cos_cache, self.sin_cache, ropes["global"])

@@ -69,7 +69,7 @@ class StaticDecoder(nn.Module):
         # local_rope: (inv_freq, attention_scaling) of the layers whose Dims.rotary is "local"
         # (Gemma 3's sliding layers); inv_freq/attention_scaling are the "global" table
         super().__init__()
-        assert attention in ATTENTION, attention
+        assert attention in ATTENTION + BATCHED_ONLY, attention
         self.spec, self.dims, self.T, self.M, self.attention = spec, dims, tokens, kv_capacity, attention
         W = spec.weights
         # lm_head is stored [C, V] so MatMul's B is a plain initializer (quantizable); a tied
@@ -244,7 +244,8 @@ class StaticDecoder(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap   # Gemma 2: cap * tanh(logits / cap)
 
 
-ATTENTION = ("gqa", "portable", "standard", "rows")
+ATTENTION = ("gqa", "portable", "standard")
+BATCHED_ONLY = ("rows",)     # attention variants of the batched graph only (export/batch.py)
 IN_PLACE = ("gqa", "standard", "rows")     # graphs whose present_* outputs alias the past_* inputs
 
 
@@ -406,8 +407,8 @@ class _Layer(nn.Module):
 
     def forward_rows(self, x, past_k, past_v, past_len, pos, L, attend, rope):
         # x: [B, T, C]; past_k/v: [B, KVH, M, D] (present = past with rows past_len[b].. overwritten);
-        # pos [B, T]; attention over the first L cache positions; attend: [B, 1, R*T, L] bool (R = G, or 2
-        # when G = 1);
+        # pos [B, T]; attention over the first L cache positions; attend: [B, 1, G*T, L] bool (T + 1
+        # rows when G = 1);
         # rope: (cos_cache, sin_cache [M, R/2], the eager per-row (cos, sin, rot)) or None
         d = self.dims
         B, T, H, KVH, D, G = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
@@ -432,12 +433,13 @@ class _Layer(nn.Module):
         v = v.view(B, T, KVH, D).transpose(1, 2)                                         # [B, KVH, T, D]
         present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
         # a kv head's queries as the rows of one MatMul: G*T of them; with one query head per kv head
-        # (G = 1) each query twice, so a one-token step still has two rows (a single row takes ONNX
-        # Runtime's one-row path, whose sums over the L cache positions round differently as L changes)
-        qg = q.reshape(B, KVH, G * T, D) if G > 1 else torch.cat([q, q], dim=2)
+        # (G = 1) the first query once more (T + 1 rows), so a one-token step still has two rows (a
+        # single row takes ONNX Runtime's one-row path, whose sums over the L cache positions round
+        # differently as L changes)
+        qg = q.reshape(B, KVH, G * T, D) if G > 1 else torch.cat([q, q[:, :, :1]], dim=2)
         keys, values = present_k[:, :, :L], present_v[:, :, :L]
-        s = self._cap((qg @ keys.transpose(-1, -2)) * self.scale).masked_fill(~attend, float("-inf"))  # [B, KVH, R*T, L]
-        o = torch.softmax(s, dim=-1) @ values                                            # [B, KVH, R*T, D]
+        s = self._cap((qg @ keys.transpose(-1, -2)) * self.scale).masked_fill(~attend, float("-inf"))  # [B, KVH, G*T, L]
+        o = torch.softmax(s, dim=-1) @ values                                            # [B, KVH, G*T, D]
         if G == 1:
             o = o[:, :, :T]
         o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)

@@ -17,7 +17,7 @@ from specrt.errors import ExportError
 from specrt.export import fuse as fusion
 from specrt.export import weights as wpack
 from specrt.export.batch import DYNAMIC, BatchedDecoder
-from specrt.export.graph import IN_PLACE, StaticDecoder
+from specrt.export.graph import BATCHED_ONLY, IN_PLACE, StaticDecoder
 from specrt.export.sources import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,9 @@ def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: i
                  batch: int | str | None = None) -> StaticDecoder:
     """batch None: today's one-row graph (graph.py). batch an int or "dynamic": the per-row
     contract of export/batch.py, where tokens may be "dynamic" too."""
+    if batch is None and attention in BATCHED_ONLY:
+        raise ExportError(f"attention={attention!r} exists only in the batched graph (batch=...): export the one-row "
+                          "graphs with gqa, portable or standard")
     dims = lm.dims if layers is None else _replace_layers(lm.dims, layers)
     kw = dict(kv_capacity=kv_capacity, inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling,
               attention=attention, dtype=DTYPES[precision], static_total=static_total, local_rope=lm.local_rope)

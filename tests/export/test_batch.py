@@ -336,6 +336,12 @@ def _rows_feeds(ids, lens, caches, L):
     return {**_feeds(ids, lens, [c.copy() for c in caches]), "kv_pos": np.arange(L, dtype=np.int64)}
 
 
+def test_rows_exists_only_in_the_batched_graph(llama, tmp_path):
+    from specrt.errors import ExportError
+    with pytest.raises(ExportError, match="only in the batched graph"):
+        onnx_export.export_model(llama[1], SHAPES, tmp_path, attention="rows")
+
+
 def test_rows_graph_reads_kv_pos_and_writes_the_cache_in_place(rows_graph):
     sess, part = rows_graph
     ins = {i.name: i.shape for i in sess.sess.get_inputs()}
@@ -392,10 +398,10 @@ def test_rows_graph_positions_agree_whatever_window_they_are_computed_in(rows_gr
         steps = out[1:]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3_text", "phi3", "gpt2"])
+@pytest.mark.parametrize("case", ["gemma3_text", "phi3", "gpt2"])
 def test_rows_graph_of_each_family_is_its_reference_graph_and_batch_invariant(case, tmp_path):
-    """What each family brings to the rows graph: soft-caps and sliding windows (Gemma 2), local
-    and global rotary tables (Gemma 3), a partial rotary (Phi-3), learned positions and plain
+    """What each family brings to the rows graph: sliding windows with local and global rotary
+    tables (Gemma 3), a partial rotary (Phi-3), learned positions and plain
     multi-head attention (GPT-2: one query head per kv head, whose one-token rows are doubled).
     The rows graph is the standard (windows) or portable batched graph within float rounding,
     and each of its rows is the row alone (with its own, shorter kv_pos), bit for bit."""

@@ -30,8 +30,8 @@ from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
 
 
-ALIASES = ("prefill", "decode", "verify")
-KV_BLOCK = 64      # a "rows" graph reads the cache in multiples of this many positions     # the engine's graph names, served by "step" unless named
+ALIASES = ("prefill", "decode", "verify")     # the engine's graph names, served by "step" unless named
+KV_BLOCK = 64      # a "rows" graph reads the cache in multiples of this many positions
 
 
 class BatchKV:
@@ -98,6 +98,8 @@ class OrtBatchModel:
         # length after the step, rounded up to KV_BLOCK (a row's result does not depend on L)
         self.has_kv_pos = {f: any(i.name == KV_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
         self._kv_pos = np.arange(shapes.kv_capacity, dtype=np.int64)
+        self._kv_values: dict[int, ort.OrtValue] = {}    # L -> kv_pos[:L] (at most capacity / KV_BLOCK + 1)
+        self.kv_len = self.max_kv_len = 0                # the last and the largest L bound
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
@@ -122,8 +124,11 @@ class OrtBatchModel:
         return "gqa" if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) else "other"
 
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
-             positions: np.ndarray | None = None) -> np.ndarray:
-        """positions [n, P]: return only those positions' logits, [n, P, V] (None: all T)."""
+             positions: np.ndarray | None = None, kv_len: int | None = None) -> np.ndarray:
+        """positions [n, P]: return only those positions' logits, [n, P, V] (None: all T).
+        kv_len: the cache positions a "rows" graph reads (default: the longest row's length
+        after the step, rounded up to KV_BLOCK, at most the capacity); the build's gate sets
+        it to show that a row's logits do not depend on it."""
         n, T = tokens.shape
         check_multi_token_rows(self.multi_token_rows, n, T)
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
@@ -134,10 +139,9 @@ class OrtBatchModel:
         gathered = positions is not None and self.has_positions[file]
         P = positions.shape[1] if gathered else T
         assert not gathered or n * P >= self.min_rows, (graph, n, P, self.min_rows)
-        L = 0
+        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n, T, P)
         if self.has_kv_pos[file]:
-            L = min(-(-(int(starts.max()) + T) // KV_BLOCK) * KV_BLOCK, len(self._kv_pos))
-        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n, T, P, L)
+            binding.bind_ortvalue_input(KV_POS, self._kv_value(int(starts.max()) + T, kv_len))
         np.copyto(ids, tokens)
         np.copyto(past, starts)
         if pos is not None:     # filled every call: bindings of other shapes share the buffer
@@ -153,8 +157,22 @@ class OrtBatchModel:
             return np.take_along_axis(logits, np.asarray(positions)[:, :, None], axis=1)
         return logits
 
-    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int, L: int = 0):
-        key = (self._file_of[graph], first_row, n, T, P, L)
+    def _kv_value(self, need: int, kv_len: int | None) -> ort.OrtValue:
+        cap = len(self._kv_pos)
+        if need > cap:      # the engine never asks this; a row past the cache must not be cut silently
+            raise BackendError(f"a row would reach position {need} of a {cap}-position cache: the engine must "
+                               "finish a request at the maximum context")
+        L = min(-(-need // KV_BLOCK) * KV_BLOCK, cap) if kv_len is None else kv_len
+        if not need <= L <= cap:
+            raise BackendError(f"kv_len={L}: give {need}..{cap} (the longest row's length after the step .. the "
+                               "cache capacity)")
+        if L not in self._kv_values:
+            self._kv_values[L] = ort.OrtValue.ortvalue_from_numpy(self._kv_pos[:L])
+        self.kv_len, self.max_kv_len = L, max(self.max_kv_len, L)
+        return self._kv_values[L]
+
+    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int):
+        key = (self._file_of[graph], first_row, n, T, P)
         if key in self._bindings:
             return self._bindings[key][:6]
         sess, io = self._sessions[key[0]], self.io
@@ -175,8 +193,6 @@ class OrtBatchModel:
         b.bind_ortvalue_output(io["logits"], value(logits))
         if pos is not None:
             b.bind_ortvalue_input(LOGIT_POS, value(pos))
-        if L:
-            b.bind_ortvalue_input(KV_POS, value(self._kv_pos[:L]))
         new = []
         layers = self.entry.layers
         for i in range(layers):

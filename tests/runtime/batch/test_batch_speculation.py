@@ -44,7 +44,10 @@ def test_rows_records_one_token_steps_and_reads_kv_pos(tiny_batch_rows_engines):
     assert batch["source"]["attention"] == "rows"
     win = batch["parity"]["window_invariance"]
     assert win["equal"] is True and win["min_tokens"] == 1 and win["max_abs_logit_delta"] == 0.0
-    assert batch["parity"]["batch_invariance"]["equal"] is True
+    inv = batch["parity"]["batch_invariance"]
+    assert inv["equal"] is True and inv["kv_len"]["equal"] is True          # reading more of the cache: the same
+    from specrt.manifest import load
+    assert inv["kv_len"]["lengths"][0] < inv["kv_len"]["lengths"][1] == load(tiny_batch_rows_engines).shapes.kv_capacity
     costs = man["build"]["speculation"]["batch_costs_ms"]["target"]
     assert set(costs) == {"1", "2", "4"} and all(set(v) == {"1", "2", "4", "8"} for v in costs.values())
     with open_batch(tiny_batch_rows_engines, max_num_seqs=2) as g:
@@ -124,10 +127,16 @@ def test_a_rows_call_reads_the_cache_up_to_its_longest_row_in_blocks(tiny_batch_
     m = OrtBatchModel(tiny_batch_rows_engines, man.models["batch"], man.shapes, rows=3, threads=2)
     cap = man.shapes.kv_capacity
     for starts, T, want in (([3, 9], 1, KV_BLOCK), ([3, KV_BLOCK - 1], 2, min(2 * KV_BLOCK, cap)),
-                            ([cap - 2, 0], 2, cap)):
+                            ([cap - 2, 0], 2, cap), ([0, 5], 1, KV_BLOCK)):
         m.step("step", np.ones((2, T), np.int64), np.array(starts, np.int64), 0)
-        assert max(key[-1] for key in m._bindings) == want, (starts, T)
-        m._bindings.clear()
+        assert m.kv_len == want, (starts, T)
+    assert len(m._bindings) == 2          # one per (rows, T): L is rebound, not a binding of its own
+    # a call that would run past the cache, or read less than its longest row, is refused
+    from specrt.errors import BackendError
+    with pytest.raises(BackendError, match="maximum context"):
+        m.step("step", np.ones((2, 2), np.int64), np.array([cap - 1, 0], np.int64), 0)
+    with pytest.raises(BackendError, match="kv_len=8"):
+        m.step("step", np.ones((2, 1), np.int64), np.array([9, 0], np.int64), 0, kv_len=8)
 
 
 def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone(tiny_batch_rows_engines):
@@ -141,5 +150,5 @@ def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone
         g.engine.policy.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)})
         got = [c.tokens for c in g.generate_batch(prompts, max_new_tokens=NEW)]
         assert got == alone
-        assert max(key[-1] for key in g.engine.target._bindings) > KV_BLOCK      # the long row crossed a block
+        assert g.engine.target.max_kv_len > KV_BLOCK      # the long row crossed a block
         assert g.engine.stats.choices[RoundKind.PAIR.value] + g.engine.stats.choices[RoundKind.LOOKUP.value] > 0
