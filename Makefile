@@ -76,8 +76,12 @@ bench-precision: engines engines-int8 engines-int4
 bench: $(ENGINES)/manifest.json
 	$(BIN)/specrt bench $(ENGINES) --prompts 8 --max-new-tokens 128
 
+# two pytest-xdist workers (one per core here; PYTEST_WORKERS=0 runs in one process): a test
+# module stays on one worker (--dist loadscope), and the session's tiny engines are built
+# once behind a file lock and shared (tests/conftest.py)
+PYTEST_WORKERS ?= 2
 test: venv $(ENGINES)/manifest.json
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n $(PYTEST_WORKERS) --dist loadscope
 
 clean:
 	rm -rf artifacts .pytest_cache

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -39,15 +40,24 @@ def _build_key() -> str:
 
 
 def _once(tmp_path_factory, name: str, make) -> Path:
-    """make(dir) -> path, run into a fresh temporary folder, or once into the cache and reused."""
+    """make(dir) -> path, run once and reused: into a fresh temporary folder in a plain run;
+    under pytest-xdist (`make test` runs two workers) into the temporary folder all workers
+    share, behind a file lock, so the first worker builds and the other waits and reuses it
+    (pytest-xdist's documented pattern for session fixtures); with SPECRT_TINY_CACHE, into that
+    folder keyed by the build sources, reused by later sessions too."""
     name = name.replace(":", "")
-    if not TINY_CACHE:
+    if TINY_CACHE:
+        root = Path(TINY_CACHE) / _build_key()
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "shared"     # one basetemp per worker
+    else:
         return Path(make(tmp_path_factory.mktemp(name)))
-    done = Path(TINY_CACHE) / _build_key() / name
-    if not (done / "ok").exists():          # absent after a build that failed half-way: build again
-        done.mkdir(parents=True, exist_ok=True)
-        (done / "path").write_text(str(make(done)))
-        (done / "ok").touch()
+    done = root / name
+    done.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(done) + ".lock"):
+        if not (done / "ok").exists():      # absent after a build that failed half-way: build again
+            (done / "path").write_text(str(make(done)))
+            (done / "ok").touch()
     return Path((done / "path").read_text())
 
 

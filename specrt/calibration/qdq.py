@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from specrt import manifest as mf
+from specrt.calibration.quantize import is_signed_permutation
 from specrt.calibration.qdq_rules import QDQRuleError, check_rules, rule_problems  # noqa: F401
 from specrt.driver import GraphSet, Greedy, encode_prompts, greedy_steps
 from specrt.errors import ConfigError
@@ -92,17 +92,10 @@ def weight_matmuls(model: onnx.ModelProto, vocab: int, lm_head: bool = True) -> 
         if n.op_type != "MatMul" or n.input[1] not in inits or n.input[0] in inits:
             continue
         w = inits[n.input[1]]
-        if len(w.dims) != 2 or (not lm_head and w.dims[1] == vocab) or _signed_permutation(w):
+        if len(w.dims) != 2 or (not lm_head and w.dims[1] == vocab) or is_signed_permutation(w):
             continue
         out[n.name] = w.name
     return out
-
-
-def _signed_permutation(t) -> bool:
-    if t.dims[0] != t.dims[1]:
-        return False
-    a = numpy_helper.to_array(t)
-    return bool(np.isin(a, (-1, 0, 1)).all() and (np.abs(a).sum(0) == 1).all() and (np.abs(a).sum(1) == 1).all())
 
 
 # --- calibration data: the fp32 graphs stepped over real prompts ------------------------

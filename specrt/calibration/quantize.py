@@ -24,7 +24,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from specrt.export import weights as wpack
 
@@ -79,11 +81,35 @@ def lm_head_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
             if n.op_type == "MatMul" and len(shapes.get(n.input[1], ())) == 2 and shapes[n.input[1]][1] == vocab]
 
 
+def is_signed_permutation(t: onnx.TensorProto) -> bool:
+    """A square matrix of -1/0/1 with one non-zero per row and column: the rotate-half of
+    rotary embeddings in the `portable`/`standard` graphs, not a learned weight."""
+    if len(t.dims) != 2 or t.dims[0] != t.dims[1]:
+        return False
+    a = numpy_helper.to_array(t)
+    return bool(np.isin(a, (-1, 0, 1)).all() and (np.abs(a).sum(0) == 1).all() and (np.abs(a).sum(1) == 1).all())
+
+
+def rotary_nodes(model: onnx.ModelProto) -> list[str]:
+    """MatMul nodes whose constant weight is the rotary signed permutation. They stay fp32:
+    quantized, the int8-activation kernels would round q and k before the rotation (and an
+    int4 block scale of 1/7 does not give back exactly +-1)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    return [n.name for n in model.graph.node
+            if n.op_type == "MatMul" and n.input[1] in inits and is_signed_permutation(inits[n.input[1]])]
+
+
+def _excluded(model: onnx.ModelProto, spec: QuantSpec, vocab: int) -> list[str]:
+    """The MatMuls a quantizer must leave in fp32: the rotary permutation, and the LM head
+    unless spec.lm_head."""
+    return rotary_nodes(model) + ([] if spec.lm_head else lm_head_nodes(model, vocab))
+
+
 def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
     with quiet_logging():
         if spec.method == "dynamic":
             from onnxruntime.quantization import QuantType, quantize_dynamic
-            exclude = [] if spec.lm_head else lm_head_nodes(onnx.load(str(src), load_external_data=False), vocab)
+            exclude = _excluded(onnx.load(str(src)), spec, vocab)
             # MatMulConstBOnly: only weight MatMuls; attention MatMuls against the cache stay fp32
             quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
                              use_external_data_format=True, nodes_to_exclude=exclude,
@@ -92,12 +118,12 @@ def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
         model = onnx.load(str(src))
         if spec.method == "rowwise":
             from specrt.calibration import rowwise
-            rowwise.quantize_model(model, exclude=set() if spec.lm_head else set(lm_head_nodes(model, vocab)))
+            rowwise.quantize_model(model, exclude=set(_excluded(model, spec, vocab)))
             onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=dst.name + ".data", size_threshold=1024)
             return
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-        exclude = [] if spec.lm_head else lm_head_nodes(model, vocab)
+        exclude = _excluded(model, spec, vocab)
         q = MatMulNBitsQuantizer(model, bits=spec.bits, block_size=spec.block_size, is_symmetric=spec.symmetric,
                                  accuracy_level=spec.accuracy_level, nodes_to_exclude=exclude)
         q.process()
