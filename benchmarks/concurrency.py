@@ -63,7 +63,7 @@ class System:
 
     @property
     def missing(self) -> str | None:
-        how = {"specrt-server": "make engines engines-int4 (engines-int4-rw, engines-int4-rows)", "specrt-stream": "make engines engines-int4",
+        how = {"specrt-server": "make engines engines-int4 (engines-int4-rw, -rows, -b64, -b128)", "specrt-stream": "make engines engines-int4",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
                "openvino": "make venv-openvino && .venv/bin/python benchmarks/run_peers.py build"}[self.kind]
@@ -84,6 +84,12 @@ SYSTEMS = {s.name: s for s in [
     # int4, the batched model with --batch-attention rows (its batches speculate): make engines-int4-rows
     System("specrt-int4rows-alt", "specrt serve int4, rows attention, alt args", "specrt-server",
            ROOT / "artifacts/smollm2-int4-rows"),
+    # int4, the batched graph in blocks of 64 / 128 (`--batch-block-size`, calls padded to even rows):
+    # make engines-int4-b64 / engines-int4-b128
+    System("specrt-int4b64-alt", "specrt serve int4, batched block 64, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-b64"),
+    System("specrt-int4b128-alt", "specrt serve int4, batched block 128, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-b128"),
     System("specrt-fp32-stream", "specrt fp32 single stream", "specrt-stream", ROOT / "artifacts/smollm2",
            only_clients=1),
     System("specrt-int4-stream", "specrt int4 single stream", "specrt-stream", ROOT / "artifacts/smollm2-int4",

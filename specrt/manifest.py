@@ -297,6 +297,11 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SHAPE
 
 
+# io entries that are row counts, not tensor names: a call runs at least min_rows rows (n*T), and
+# a multiple of row_multiple (kernels that round a call's odd last row apart: docs/batching.md)
+IO_COUNTS = ("min_rows", "row_multiple")
+
+
 def _check_io(where: str, io, update: str) -> None:
     """Tensor names: strings; the per-layer ones a template with one %d, the others none;
     every name the graphs' cache update binds is there."""
@@ -308,6 +313,10 @@ def _check_io(where: str, io, update: str) -> None:
     if missing:
         raise ValueError(f"{where} has no {', '.join(missing)} (tensor names the graphs are bound by)")
     for key, name in io.items():
+        if key in IO_COUNTS:
+            if not (isinstance(name, int) and not isinstance(name, bool) and 1 <= name <= 64):
+                raise ValueError(f"{where}.{key}={name!r} must be an integer in [1, 64]")
+            continue
         if key == "dtypes":
             if not (isinstance(name, dict) and all(isinstance(v, str) for v in name.values())):
                 raise TypeError(f"{where}.dtypes must be an object of dtype names")

@@ -112,6 +112,17 @@ def tiny_batch_engines(tmp_path_factory, tiny_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_b64_engines(tmp_path_factory, tiny_pair) -> Path:
+    """tiny_batch_engines with the batched graph quantized in blocks of 64 (`--batch-block-size
+    64`): ONNX Runtime's int4 kernel then rounds a call's odd last row apart, so the manifest
+    asks for an even number of rows per call (io row_multiple 2)."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-b64",
+                 lambda d: build_tiny(d / "b64", target, "none", precision="int4", block_size=16, batch=True,
+                                      batch_block_size=64, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_batch_standard_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny fp32 target with its batched copy in standard ONNX ops (`--attention standard
     --batch`): a position's logits do not depend on its window, so the batched engine

@@ -25,7 +25,12 @@ RATIOS = (("specrt int4 / genai int4 static batches", "specrt-int4", "genai-int4
           ("specrt int4 rows alt / specrt int4 alt", "specrt-int4rows-alt", "specrt-int4-alt", 8),
           ("specrt int4 rows alt / its single stream", "specrt-int4rows-alt", "specrt-int4-stream", 1),
           ("specrt int4 rows alt / specrt int4 alt (1 client)", "specrt-int4rows-alt", "specrt-int4-alt", 1),
-          ("specrt int4 alt / specrt int4 server, one request per engine", "specrt-int4-alt", "specrt-int4", 1))
+          ("specrt int4 alt / specrt int4 server, one request per engine", "specrt-int4-alt", "specrt-int4", 1),
+          *((f"specrt int4 batched block {b} alt / {what}", f"specrt-int4b{b}-alt", den, c)
+            for b in (64, 128)
+            for what, den, c in (("genai int4 static batches", "genai-int4", 8), ("OpenVINO int4", "openvino-int4", 8),
+                                 ("specrt int4 alt", "specrt-int4-alt", 8), ("its single stream", "specrt-int4-stream", 1),
+                                 ("specrt int4 alt (1 client)", "specrt-int4-alt", 1))))
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -112,6 +112,11 @@ class BuildConfig:
     # (plain ops over the first L cache positions, export/batch.py: a batch can verify several
     # tokens per row, so it speculates; GroupQueryAttention on the CPU cannot)
     batch_attention: str | None = None
+    # int8/int4 with --batch: the batched graph's quantization block (None: --block-size's). A
+    # larger block makes every MatMulNBits call cheaper; above 32, ONNX Runtime's int8-compute
+    # kernel rounds the odd last row of a call apart from the others, so the runtime pads every
+    # batched call to an even number of rows (manifest io row_multiple, runtime/backends/ort_batch.py)
+    batch_block_size: int | None = None
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -129,9 +134,10 @@ class BuildConfig:
                               "(standard ONNX ops only) or 'standard' (opset-24 ops, for TensorRT)")
         if self.precision not in PRECISIONS:
             raise SpecrtError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 16
-                                            or self.block_size & (self.block_size - 1)):
-            raise SpecrtError(f"block_size={self.block_size!r} must be a power of two >= 16 (e.g. 32, 64, 128)")
+        for name in ("block_size", "batch_block_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1)):
+                raise SpecrtError(f"{name}={v!r} must be a power of two >= 16 (e.g. 32, 64, 128)")
         if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
             raise SpecrtError(f"accuracy_level={self.accuracy_level!r}: MatMulNBits takes 0-4 "
                               "(1 = fp32 compute, 4 = int8 compute)")
@@ -149,6 +155,12 @@ class BuildConfig:
             raise ConfigError(f"batch_attention={self.batch_attention!r}; choose one of {', '.join(BATCH_ATTENTION)}")
         if self.batch_attention is not None and not self.batch:
             raise ConfigError(f"--batch-attention {self.batch_attention} sets the batched model's attention: add --batch")
+        if self.batch_block_size is not None and not self.batch:
+            raise ConfigError(f"--batch-block-size {self.batch_block_size} sets the batched model's quantization "
+                              "block: add --batch")
+        if self.batch_block_size is not None and self.precision == "fp32":
+            raise ConfigError(f"--batch-block-size {self.batch_block_size} quantizes the batched model: give "
+                              "--precision int4 or int8 (an fp32 target has no quantization block)")
         if self.batch_prefill != "same" and not self.batch:
             raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":
@@ -235,6 +247,14 @@ class BuildConfig:
             return None
         over = {"block_size": self.block_size, "accuracy_level": self.accuracy_level, "lm_head": self.quantize_lm_head}
         return {**base, **{k: v for k, v in over.items() if v is not None}}
+
+    @property
+    def batch_quantization(self) -> dict | None:
+        """How the batched model's step graph is quantized: the target's, with --batch-block-size."""
+        q = self.target_quantization
+        if q is None or self.batch_block_size is None:
+            return q
+        return {**q, "block_size": self.batch_block_size}
 
     def as_dict(self) -> dict:
         return asdict(self)

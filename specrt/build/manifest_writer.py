@@ -32,7 +32,8 @@ def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
               for g, e in part["graphs"].items()}
     weights = {**part["weights"], "file": f"{subdir}/{part['weights']['file']}"}
     io = {**mf.IO_NAMES, "dtypes": {"input_ids": "int64", "past_len": "int64", "logits": "float32",
-                                    "kv": part["kv"]["dtype"]}}
+                                    "kv": part["kv"]["dtype"]},
+          **{k: part[k] for k in mf.IO_COUNTS if k in part}}
     return mf.ModelEntry(role=role, family=part["family"], precision=part["precision"], dims=part["dims"],
                          graphs=graphs, weights=weights, source=part["source"], kv=part["kv"], io=io,
                          parity=part.get("parity", {}))

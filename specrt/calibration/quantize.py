@@ -81,6 +81,16 @@ def lm_head_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
             if n.op_type == "MatMul" and len(shapes.get(n.input[1], ())) == 2 and shapes[n.input[1]][1] == vocab]
 
 
+def odd_rows_round_apart(q: dict | None) -> bool:
+    """Does this quantization's kernel round the odd last row of a call apart from the rest?
+    ONNX Runtime's MatMulNBits with int8 compute (accuracy_level 4) and a block above 32 runs
+    rows in pairs and the odd one through a one-row kernel whose rounding differs (~1e-6 per
+    MatMul on this CPU; every row of an even-row call is bit for bit the same whatever its
+    neighbours). A batched model so quantized must run an even number of rows per call."""
+    return bool(q) and q.get("method", "matmulnbits") == "matmulnbits" and q.get("accuracy_level") == 4 \
+        and int(q.get("block_size", 32)) > 32
+
+
 def is_signed_permutation(t: onnx.TensorProto) -> bool:
     """A square matrix of -1/0/1 with one non-zero per row and column: the rotate-half of
     rotary embeddings in the `portable`/`standard` graphs, not a learned weight."""

@@ -115,7 +115,8 @@ def describe(man: mf.Manifest) -> str:
             lines.append(f"  quant    {q.get('method')}, {q.get('bits')}-bit, block {q.get('block_size')}, "
                          f"{'symmetric' if q.get('symmetric') else 'asymmetric'}, {q.get('compute', '?')} compute"
                          + (f", LM head {'quantized' if q.get('lm_head_quantized') else 'fp32'}"
-                            if "lm_head_quantized" in q else ""))
+                            if "lm_head_quantized" in q else "")
+                         + (", calls padded to an even number of rows" if int(m.io.get("row_multiple", 1)) > 1 else ""))
         par = m.parity or {}
         export = par.get("fp32_export", par)   # a quantized target keeps its fp32 export's parity apart
         label = "fp32 export " if "fp32_export" in par else ""

@@ -52,13 +52,18 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     if cfg.precision != "fp32" or rowwise:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
         # graph once more as "prefill", int8 per channel: both in one weights file
-        specs = {"step": quantize.QuantSpec(**cfg.target_quantization) if cfg.precision != "fp32" else None,
+        specs = {"step": quantize.QuantSpec(**cfg.batch_quantization) if cfg.precision != "fp32" else None,
                  **({"prefill": quantize.QuantSpec("rowwise")} if rowwise else {})}
         q = quantize.quantize_graphs(src, part, tmp / "batch", tuple(specs), specs, source={g: "step" for g in specs})
         part = {**part, **{k: q[k] for k in ("graphs", "weights")}}
+        if quantize.odd_rows_round_apart(cfg.batch_quantization):
+            part["row_multiple"] = 2
         shutil.rmtree(src)
     source = {**target_part["source"], "derived": "the target with a batch dimension (export/batch.py)",
               "attention": attention}
+    if cfg.batch_block_size is not None:     # quantized otherwise than the target: say how
+        source["quantization"] = {**quantize.QuantSpec(**cfg.batch_quantization).describe(),
+                                  "rows_per_call": "even (io row_multiple 2)" if part.get("row_multiple") else "any"}
     if rowwise:     # what `specrt inspect` shows of the second graph
         source["prefill_graph"] = {"runs": "prefill chunks (decode and verify steps run step)",
                                    **quantize.QuantSpec("rowwise").describe()}
@@ -74,7 +79,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
             f"the batched {cfg.precision} {part['attention']} graph computes a row differently when other rows share "
             f"the call (max |delta logit| {inv['max_abs_logit_delta']:.3g} over {inv['rows']} rows x {inv['steps']} "
             f"steps{cache}): a request's tokens would depend on the batch. Build with --attention portable, "
-            "without --batch-attention rows, or without --batch (one request per engine copy)")
+            "without --batch-attention rows or --batch-block-size, or without --batch (one request per engine copy)")
     return part
 
 
@@ -107,13 +112,20 @@ def _prefill(model, rows_ids, shapes, lasts: list | None = None, gather: bool = 
 
 
 def invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
-    """Rows alone vs together, bit for bit, over STEPS greedy decode steps (T=1)."""
+    """Rows alone vs together (all n, and an odd number of them), bit for bit, over STEPS
+    greedy decode steps (T=1)."""
     rows_ids = [list(p[:shapes.max_context - STEPS - 1]) for p in prompts]
     n = len(rows_ids)
     alone, together = _model(tmp, part, shapes, n), _model(tmp, part, shapes, n)
+    # an odd number of rows too (n - 1 when n is even): a kernel may round a call's odd last row
+    # apart (models with io row_multiple 2 pad such calls with one row; this shows it holds)
+    odd_n = n - 1 if n % 2 == 0 else n
+    odd = _model(tmp, part, shapes, odd_n) if odd_n > 1 and odd_n != n else None
     every, last = [], []
     cur = _prefill(alone, rows_ids, shapes, every, gather=False)
     first = _prefill(together, rows_ids, shapes, last)
+    if odd is not None:
+        _prefill(odd, rows_ids[:odd_n], shapes)
     # the engine asks a prefill chunk for its last position only (logit_pos): is that what the
     # LM head over every position gives? (information: the engine always asks the same way)
     gather_delta = float(max(np.max(np.abs(a - b)) for a, b in zip(every, last)))
@@ -126,15 +138,23 @@ def invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     for _ in range(STEPS):
         starts = np.array(lengths, np.int64)
         toks = np.array(cur, np.int64)[:, None]
-        a = np.stack([alone.step("step", toks[r:r + 1], starts[r:r + 1], r)[0, 0].copy() for r in range(n)])
+        # (a model that pads one-row calls writes its padding row into the next row from that
+        # row's length on, which its own step then overwrites)
+        a = np.stack([alone.step("step", toks[r:r + 1], starts[r:r + 1], r,
+                                 pad_start=int(starts[r + 1]) if r + 1 < n else None)[0, 0].copy() for r in range(n)])
         b = together.step("step", toks, starts, 0)[:, 0].copy()
         equal &= bool(np.array_equal(a, b))
         worst = max(worst, float(np.max(np.abs(a - b))))
+        if odd is not None:
+            c = odd.step("step", toks[:odd_n], starts[:odd_n], 0)[:, 0]
+            equal &= bool(np.array_equal(a[:odd_n], c))
+            worst = max(worst, float(np.max(np.abs(a[:odd_n] - c))))
         cur = [int(x) for x in np.argmax(b, axis=-1)]
         lengths = [x + 1 for x in lengths]
     log.info("batch invariance: %d rows x %d steps, equal=%s, max |delta| %.3g", n, STEPS, equal, worst)
     out = {"rows": n, "steps": STEPS, "equal": equal, "max_abs_logit_delta": worst,
-           "prefill_last_position_delta": gather_delta}
+           "prefill_last_position_delta": gather_delta, "odd_rows": odd_n if odd is not None else None,
+           "row_multiple": together.row_multiple}
     if any(together.has_kv_pos.values()):
         # a "rows" graph reads the first L cache positions, L set by the batch's longest row: the
         # same step once reading just what it needs and once the whole cache must agree bit for bit
@@ -232,7 +252,8 @@ def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, r
 
     def step(T: int, n: int):
         toks, starts = np.ones((n, T), np.int64), np.full(n, context, np.int64)
-        return lambda: model.step("step", toks, starts, 0)
+        # (a model that pads odd calls writes a padding row into the free row after them)
+        return lambda: model.step("step", toks, starts, 0, pad_start=context)
 
     ms = interleaved_ms({c: step(*c) for c in cases}, runs=runs, warmup=warmup)
     target: dict[str, dict[str, float]] = {}

@@ -191,6 +191,10 @@ class DeviceBatchModel:
             raise ManifestError(f"the {entry.role} graph was built with --batch-attention rows, whose calls read a "
                                 "cache length that changes with every step (no fixed shape to capture): device "
                                 "buckets need the gqa batched graph (rebuild without --batch-attention rows)")
+        if int(entry.io.get("row_multiple", 1)) > 1:
+            raise ManifestError(f"the {entry.role} graph was built with --batch-block-size, whose kernels need an even "
+                                "number of rows per call; device buckets run fixed row counts (1 among them): "
+                                "rebuild without --batch-block-size for buckets")
         self.graph_tokens = {"prefill": shapes.prefill_chunk, "decode": 1, "verify": shapes.k + 1}
         self.min_rows = int(entry.io.get("min_rows", 1))
         # ONNX Runtime's CPU GroupQueryAttention runs several tokens per row for one row only
@@ -199,9 +203,9 @@ class DeviceBatchModel:
         self._calls: dict[tuple, _Call] = {}
 
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
-             positions: np.ndarray | None = None) -> np.ndarray:
+             positions: np.ndarray | None = None, pad_start: int | None = None) -> np.ndarray:
         """positions [n, P]: those positions' logits, [n, P, V] (picked on the host: a static
-        bucket computes and reads all T)."""
+        bucket computes and reads all T). pad_start: unused (no row_multiple here)."""
         n, T = tokens.shape
         if T != self.graph_tokens[graph]:
             raise BackendError(f"the {graph} step runs {self.graph_tokens[graph]} tokens a row, not {T}")

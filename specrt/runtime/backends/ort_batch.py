@@ -68,8 +68,19 @@ class OrtBatchModel:
         self.entry, self.rows = entry, rows
         self.shares_cache = cache is not None
         dt = io_dtypes(entry)
-        self.cache = cache or BatchKV(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]), rows,
-                                      DTYPES[dt["kv"]])
+        # kernels that round a call's odd last row apart (MatMulNBits int8 compute, block > 32:
+        # --batch-block-size) run every call with an even number of rows: one padding row, the row
+        # after the call's, so the cache holds one spare row past the max_num_seqs rows
+        self.row_multiple = int(entry.io.get("row_multiple", 1))
+        if self.row_multiple not in (1, 2):
+            raise ManifestError(f"models.{entry.role}.io.row_multiple={self.row_multiple}: this specrt pads calls to "
+                                "a multiple of 1 or 2 rows; rebuild the engines with this specrt")
+        spare = int(self.row_multiple > 1)
+        self.cache = cache or BatchKV(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]),
+                                      rows + spare, DTYPES[dt["kv"]])
+        if self.cache.rows < rows + spare:
+            raise BackendError(f"a shared cache of {self.cache.rows} rows for {rows} rows of a model that pads calls to "
+                               "an even number of rows: it needs one spare row")
         check_weights_file(root, entry)
         names = graphs or tuple(entry.graphs)
         # the batched model of `specrt build --batch` has one graph, "step", with a symbolic T: it
@@ -103,15 +114,16 @@ class OrtBatchModel:
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
-        t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2)
+        t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2) + spare
         V = int(d["vocab"])
-        self._ids = np.zeros(rows * t_max, DTYPES[dt["input_ids"]])
-        self._past = np.zeros(rows, DTYPES[dt["past_len"]])
-        self._pos = np.zeros(rows * t_max, np.int64)
+        R = rows + spare
+        self._ids = np.zeros(R * t_max, DTYPES[dt["input_ids"]])
+        self._past = np.zeros(R, DTYPES[dt["past_len"]])
+        self._pos = np.zeros(R * t_max, np.int64)
         self._every = np.arange(t_max, dtype=np.int64)       # logit_pos of a step that wants every position
-        self._logits = np.zeros(rows * t_max * V, DTYPES[dt["logits"]])
+        self._logits = np.zeros(R * t_max * V, DTYPES[dt["logits"]])
         kvh, hd = int(d["kv_heads"]), int(d["head_dim"])
-        self._new = [np.zeros(rows * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
+        self._new = [np.zeros(R * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
             if not self.in_place else []
         self._vocab, self._kvh, self._hd = V, kvh, hd
         self._bindings: dict[tuple, tuple] = {}
@@ -124,11 +136,15 @@ class OrtBatchModel:
         return "gqa" if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) else "other"
 
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
-             positions: np.ndarray | None = None, kv_len: int | None = None) -> np.ndarray:
+             positions: np.ndarray | None = None, kv_len: int | None = None,
+             pad_start: int | None = None) -> np.ndarray:
         """positions [n, P]: return only those positions' logits, [n, P, V] (None: all T).
         kv_len: the cache positions a "rows" graph reads (default: the longest row's length
         after the step, rounded up to KV_BLOCK, at most the capacity); the build's gate sets
-        it to show that a row's logits do not depend on it."""
+        it to show that a row's logits do not depend on it.
+        pad_start: with row_multiple 2, an odd call of several rows gets a padding row, cache
+        row first_row+n, whose T tokens are written from pad_start on: the length of the row
+        there (runtime/batch/model.py); may be left out when that row is the spare row."""
         n, T = tokens.shape
         check_multi_token_rows(self.multi_token_rows, n, T)
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
@@ -139,20 +155,53 @@ class OrtBatchModel:
         gathered = positions is not None and self.has_positions[file]
         P = positions.shape[1] if gathered else T
         assert not gathered or n * P >= self.min_rows, (graph, n, P, self.min_rows)
-        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n, T, P)
+        n2, T2, P2 = n, T, P            # the call as run: padded to an even number of rows
+        if self.row_multiple > 1 and (n * T % 2 or n * P % 2):
+            if n == 1 and T > 1:        # one row of several tokens: one token more (written one past the
+                T2, P2 = T + T % 2, P + P % 2       # row's own), one position more
+                if static:
+                    raise BackendError(f"a one-row {graph} step of {T} tokens on a model that pads calls to an even "
+                                       "number of rows needs a graph with a dynamic T")
+            else:                       # a one-token step (GroupQueryAttention's one-token path must stay
+                n2 = n + 1              # the one-token path) or several rows: one padding row after them
+                if pad_start is None and first_row + n < self.rows:
+                    raise BackendError(f"an odd call of {n} rows pads with cache row {first_row + n}, which may hold "
+                                       "a request: give pad_start (that row's length)")
+        need = int(starts.max()) + T2          # the furthest position the call writes, plus one
+        if n2 > n:
+            pad_at = 0 if pad_start is None else int(pad_start)
+            need = max(need, pad_at + T)
+        if (n2, T2) != (n, T) and need > self.cache.capacity:
+            raise BackendError(f"a padded call would write position {need - 1} of a {self.cache.capacity}-position "
+                               "cache")
+        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n2, T2, P2)
         if self.has_kv_pos[file]:
-            binding.bind_ortvalue_input(KV_POS, self._kv_value(int(starts.max()) + T, kv_len))
-        np.copyto(ids, tokens)
-        np.copyto(past, starts)
+            binding.bind_ortvalue_input(KV_POS, self._kv_value(need, kv_len))
+        if n2 == n and T2 == T:
+            np.copyto(ids, tokens)
+            np.copyto(past, starts)
+        else:
+            ids.fill(0)
+            ids[:n, :T] = tokens
+            past[:n] = starts
+            if n2 > n:
+                past[n] = pad_at
         if pos is not None:     # filled every call: bindings of other shapes share the buffer
-            pos[:] = positions if gathered else self._every[:T]
+            if gathered:
+                pos[:n, :P] = positions
+                pos[:n, P:] = positions[:, -1:]             # the one-row pad: its last position again
+                pos[n:] = 0
+            else:
+                pos[:] = self._every[:T2]
         self._sessions[file].run_with_iobinding(binding)
         if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
             for j, buf in enumerate(self.cache.keys + self.cache.values):
                 nk = new[j]
                 for i in range(n):
                     s = int(starts[i])
-                    np.copyto(buf[first_row + i, :, s:s + T], nk[i])
+                    np.copyto(buf[first_row + i, :, s:s + T], nk[i, :, :T])
+        if (n2, T2, P2) != (n, T, P):
+            logits = logits[:n, :P] if gathered else logits[:n, :T]
         if positions is not None and not gathered:
             return np.take_along_axis(logits, np.asarray(positions)[:, :, None], axis=1)
         return logits
@@ -172,7 +221,7 @@ class OrtBatchModel:
         return self._kv_values[L]
 
     def _binding(self, graph: str, first_row: int, n: int, T: int, P: int):
-        key = (self._file_of[graph], first_row, n, T, P)
+        key = (self._file_of[graph], first_row, n, T, P)     # n may count a padding row (row_multiple)
         if key in self._bindings:
             return self._bindings[key][:6]
         sess, io = self._sessions[key[0]], self.io

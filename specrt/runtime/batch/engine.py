@@ -181,7 +181,8 @@ class BatchEngine:
         positions = self._positions
         lo = max(len(chunk) - positions.shape[1], 0)
         np.add(self._offsets, lo, out=positions[0])
-        logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions)
+        # (a padding row, where the model pads odd calls, goes after the pending row: free)
+        logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions, pad_start=0)
         row.length += len(chunk)
         self.stats.prefill_chunks += 1
         if not row.prefilled:
@@ -209,7 +210,7 @@ class BatchEngine:
             toks[i, 0] = row.seq[-1]
             toks[i, 1:1 + len(p)] = p
             starts[i] = row.length
-        logits = self.target.step(choice.kind.graph, toks, starts, 0)     # [n, T, V]
+        logits = self.target.step(choice.kind.graph, toks, starts, 0, pad_start=self._pad_start())   # [n, T, V]
         for i, row in enumerate(rows):
             p = proposals[i]
             accepted, nxt = first_mismatch(logits[i, :len(p) + 1], p, row.req.params, row.req.seed,
@@ -232,12 +233,18 @@ class BatchEngine:
             for i, row in enumerate(rows):
                 toks[i, 0] = cur[i]
                 starts[i] = row.length + j
-            logits = self.draft.step("decode", toks, starts, 0)
+            logits = self.draft.step("decode", toks, starts, 0, pad_start=self._pad_start())
             for i, row in enumerate(rows):
                 if j < len(out[i]):
                     cur[i] = out[i][j] = choose(logits[i, 0], row.req.params, row.req.seed, row.position() + j,
                                                 self._scratch)
         return out
+
+    def _pad_start(self) -> int:
+        """Where a padding row after the running rows may write (a model that pads odd calls to an
+        even number of rows, runtime/batch/model.py): from the length of the row being prefilled
+        there (its next chunk overwrites it), else from 0 (a free row)."""
+        return self.pending.length if self.pending is not None else 0
 
     def _emit(self, row: Row, accepted, nxt: int) -> None:
         """Append the round's tokens to the row, stopping at EOS (unless ignored), a stop string,

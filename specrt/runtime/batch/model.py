@@ -12,6 +12,11 @@
             positions [n, P] (window offsets): only those positions' logits, [n, P, V] (a
             prefill chunk needs its last token's; graphs with a logit_pos input skip the
             LM head for the rest).
+            pad_start: where a padding row may write. A model whose kernels round a call's odd
+            last row apart (manifest io row_multiple 2: --batch-block-size) adds one padding
+            row, cache row first_row+n, to a call with an odd number of rows; the engine gives
+            that row's own length there (0 for a free row), so the padding K/V land where
+            nothing reads them. Backends without row_multiple ignore it.
 
 A shared-cache draft (the int8 copy of the target) is a second BatchModel over the same
 cache (`shares_cache`); moving a row moves it for both.
@@ -41,4 +46,4 @@ class BatchModel(Protocol):
     min_rows: int                    # never run fewer rows (n*T) than this in one call (see manifest)
 
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
-             positions: np.ndarray | None = None) -> np.ndarray: ...
+             positions: np.ndarray | None = None, pad_start: int | None = None) -> np.ndarray: ...

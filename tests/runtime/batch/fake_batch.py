@@ -14,6 +14,9 @@ import hashlib
 import numpy as np
 
 
+PAD = -2        # what a padding row writes into the fake cache (row_multiple 2)
+
+
 class FakeCache:
     def __init__(self, rows: int, capacity: int):
         self.rows, self.capacity = rows, capacity
@@ -28,14 +31,15 @@ class FakeCache:
 
 class FakeLM:
     def __init__(self, vocab: int = 16, rows: int = 4, capacity: int = 96, *, graph_tokens=None, salt: bytes = b"",
-                 sharpness: float = 2.0, cache: FakeCache | None = None, min_rows: int = 1):
+                 sharpness: float = 2.0, cache: FakeCache | None = None, min_rows: int = 1, row_multiple: int = 1):
         """salt: another salt gives another model (a draft that agrees only sometimes).
         graph_tokens: static T per graph (0: any T)."""
         self.vocab, self.salt, self.sharpness = vocab, salt, sharpness
         self.shares_cache = cache is not None
         self.cache = cache or FakeCache(rows, capacity)
         self.graph_tokens = dict(graph_tokens or {"prefill": 8, "decode": 0, "verify": 0})
-        self.min_rows = min_rows
+        self.min_rows, self.row_multiple = min_rows, row_multiple
+        self.pads: list[tuple[int, int, int]] = []            # (cache row, pad_start, T) of each padding row
         self.out = np.zeros((self.cache.rows, 64, vocab), np.float32)
         self.calls: list[tuple[str, int, int, int]] = []       # (graph, rows, T, first_row)
 
@@ -46,19 +50,27 @@ class FakeLM:
             * self.sharpness
 
     def step(self, graph: str, tokens: np.ndarray, starts: np.ndarray, first_row: int = 0,
-             positions: np.ndarray | None = None) -> np.ndarray:
+             positions: np.ndarray | None = None, pad_start: int | None = None) -> np.ndarray:
         n, T = tokens.shape
         static = self.graph_tokens.get(graph, 0)
         assert not static or T == static, (graph, T, static)
         assert n * T >= self.min_rows, (graph, n, T)
         assert first_row + n <= self.cache.rows
         self.calls.append((graph, n, T, first_row))
+        if self.row_multiple == 2 and n > 1 and n * T % 2:
+            # as OrtBatchModel: one padding row after the call's rows writes T slots from pad_start;
+            # a row that later reads one of them fails (PAD), so a wrong pad_start shows
+            r = first_row + n
+            assert r < self.cache.rows and pad_start is not None, (r, self.cache.rows, pad_start)
+            self.cache.tokens[r, pad_start:pad_start + T] = PAD
+            self.pads.append((r, int(pad_start), T))
         for i in range(n):
             r, s = first_row + i, int(starts[i])
             assert 0 <= s and s + T <= self.cache.capacity, (s, T)
             self.cache.tokens[r, s:s + T] = tokens[i]
             for t in range(T):
                 prefix = self.cache.tokens[r, :s + t + 1]
+                assert (prefix != PAD).all(), f"row {r} reads a slot a padding row wrote: {prefix.tolist()}"
                 assert (prefix >= 0).all(), f"row {r} reads a slot never written: {prefix.tolist()}"
                 self.out[i, t] = self.logits(prefix)
         if positions is not None:      # as the batched graphs' logit_pos: only those positions

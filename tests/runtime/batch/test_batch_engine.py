@@ -50,11 +50,12 @@ class Collect:
 
 
 def make_engine(rows=3, *, costs=COSTS, draft=True, lookup=True, tokenizer=None, capacity=96, min_rows=1,
-                graph_tokens=None, clock=None, prefill=8):
+                graph_tokens=None, clock=None, prefill=8, row_multiple=1):
     graph_tokens = graph_tokens or {"prefill": prefill, "decode": 0, "verify": 0}
-    target = FakeLM(V, rows, capacity, graph_tokens=graph_tokens, min_rows=min_rows)
-    d = FakeLM(V, rows, capacity, salt=b"draft", sharpness=1.0, cache=target.cache,
-               graph_tokens={"decode": 0}) if draft else None
+    spare = int(row_multiple > 1)          # as OrtBatchModel: one cache row past max_num_seqs for padding
+    target = FakeLM(V, rows + spare, capacity, graph_tokens=graph_tokens, min_rows=min_rows, row_multiple=row_multiple)
+    d = FakeLM(V, rows + spare, capacity, salt=b"draft", sharpness=1.0, cache=target.cache,
+               graph_tokens={"decode": 0}, row_multiple=row_multiple) if draft else None
     if d is not None:                      # the draft agrees with the target often: mix their logits
         base = d.logits
         d.logits = lambda prefix: 0.8 * target.logits(prefix) + 0.2 * base(prefix)
@@ -99,6 +100,23 @@ def test_greedy_tokens_equal_each_request_alone(rows, speculate):
         assert sum(c.done.metrics.accepted for c in got) > 0
     if rows > 1:
         assert eng.stats.occupancy > 1.2, eng.stats
+
+
+@pytest.mark.parametrize("speculate", ["none", "draft"])     # (lookup rounds run 2 or k+1 tokens a row: even)
+def test_padding_rows_of_odd_calls_write_where_no_request_reads(speculate):
+    """A model that pads odd calls to an even number of rows (--batch-block-size: manifest
+    io row_multiple 2) writes one padding row after the running rows. The engine points it at
+    the length of the row being prefilled there (its next chunk overwrites it) or at a free row:
+    every request still equals itself alone, and some padding did land on a half-prefilled row."""
+    eng, lm = make_engine(4, costs=None if speculate == "none" else COSTS, draft=speculate == "draft",
+                          lookup=speculate != "none", row_multiple=2)      # 3 running + 1 being prefilled
+    got = [submit(eng, p, 10 + 3 * i) for i, p in enumerate(PROMPTS)]
+    drain(eng)
+    for i, (p, c) in enumerate(zip(PROMPTS, got)):
+        assert (c.tokens, c.done.finish_reason) == reference(lm, p, 10 + 3 * i), i
+    pads = lm.pads + (eng.draft.pads if eng.draft is not None else [])
+    assert pads, "no odd call was padded"
+    assert any(start > 0 for _, start, _ in pads), "no padding row landed on a row being prefilled"
 
 
 def test_requests_added_while_others_run_join_mid_generation():
