@@ -58,8 +58,9 @@ class BatchEngine:
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
         (manifest parity window_invariance, build/gates/batch.py)."""
-        if max_num_seqs < 1 or max_num_seqs > target.cache.rows:
-            raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {target.cache.rows}] (the cache's rows)")
+        rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
+        if max_num_seqs < 1 or max_num_seqs > rows:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
         self.target, self.draft, self.policy = target, draft, policy
         self.max_num_seqs, self.max_context, self.k_max, self.vocab = max_num_seqs, max_context, k_max, vocab
         self.prefill_tokens = prefill_tokens
