@@ -2,7 +2,7 @@
 on the same requests, and do they give the same answers?
 
     .venv/bin/python benchmarks/batch_ab.py A_ENGINES B_ENGINES [--rows 8] [--prompts 24]
-                     [--max-new-tokens 128] [--rounds 3]
+                     [--max-new-tokens 128] [--rounds 3] [--ignore-eos]
 
 Each round runs A then B (then B then A the next round, so neither always goes first) with
 all prompts given at once to generate_batch; prints each run's aggregate tok/s, prefill and
@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every request runs its max_new_tokens: the same work for A and B even when their "
+                         "answers differ in length (different quantizations do)")
     a = ap.parse_args(argv)
     texts = [p.text for p in eval_prompts(a.prompts, None)]
     gens = {"A": open_batch(a.a, max_num_seqs=a.rows), "B": open_batch(a.b, max_num_seqs=a.rows)}
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
                 g = gens[name]
                 before = dict(g.engine.stats.choices)
                 t0 = time.perf_counter()
-                outs = g.generate_batch(texts, max_new_tokens=a.max_new_tokens, chat=True)
+                outs = g.generate_batch(texts, max_new_tokens=a.max_new_tokens, chat=True, ignore_eos=a.ignore_eos)
                 dt = time.perf_counter() - t0
                 n = sum(len(o.tokens) for o in outs)
                 speed[name].append(n / dt)

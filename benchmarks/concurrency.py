@@ -156,10 +156,12 @@ def sweep(a) -> dict:
     systems = pick(a.systems, bool(a.specrt_serve_args_alt))
     levels = sorted({int(c) for c in a.clients.split(",")})    # 1 first: its answers are the "alone" ones
     distinct, eos, prompt_ids = requests(a)
+    if a.ignore_eos:        # the runners read no EOS ids as "generate through EOS" (runners.py)
+        eos = []
     reqs = distinct * a.repeat                      # 24 requests: the prompts, then the prompts again
     log_dir = Path(a.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    report = {"prompts": prompt_ids, "requests": len(reqs), "max_new_tokens": a.max_new_tokens,
+    report = {"prompts": prompt_ids, "requests": len(reqs), "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos,
               "threads": a.threads, "levels": levels, "specrt_serve_args": a.specrt_serve_args,
               "specrt_serve_args_alt": a.specrt_serve_args_alt, "loadavg_start": os.getloadavg(),
               "systems": {s.name: {"label": s.label, "kind": s.kind, "path": str(s.path)} for s in systems},
@@ -233,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every system this many times per level (rotated order) and report its median round")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every request runs --max-new-tokens tokens (no system stops at EOS): the same work for "
+                         "every system, whose answers otherwise differ in length with their quantization")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--specrt-serve-args", default=DEFAULT_SERVE_ARGS,
                     help="`specrt serve` options for specrt-fp32/-int4; {clients} = the level's clients "

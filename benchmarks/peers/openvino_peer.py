@@ -68,6 +68,7 @@ class OpenVINO:
         gc.max_new_tokens = n
         gc.do_sample = False
         gc.stop_token_ids = set(eos)
+        gc.ignore_eos = not eos                     # no EOS ids: --ignore-eos, every request runs n tokens
         return gc
 
     def serve(self, requests, clients, n, eos):

@@ -66,7 +66,10 @@ class _Server:
         return None
 
     def run(self, prompts, clients, n, eos):
-        recs = stream_completions(self.server.url, self.model, prompts, n, clients, self.extra_body)
+        # no EOS ids (concurrency.py --ignore-eos): every request runs its n tokens (vLLM's ignore_eos,
+        # which specrt's server and llama-server take too)
+        body = {**self.extra_body, **({} if eos else {"ignore_eos": True})}
+        recs = stream_completions(self.server.url, self.model, prompts, n, clients, body)
         for r in recs:
             r["answer"] = r.pop("text")
         return recs, {"rss_mib": self.server.rss_mib()}

@@ -74,15 +74,16 @@ class Genai:
         self.pad = json.loads((Path(path) / "genai_config.json").read_text())["model"]["pad_token_id"]
         self.info = {"onnxruntime_genai": og.__version__, "pad_token_id": self.pad}
 
-    def _generator(self, length: int):
+    def _generator(self, length: int, ignore_eos: bool = False):
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=length)
+        # no EOS ids (--ignore-eos): min_length keeps genai from ending a sequence at its EOS
+        params.set_search_options(do_sample=False, max_length=length, **({"min_length": length} if ignore_eos else {}))
         return self.og.Generator(self.model, params)
 
     def generate(self, ids, n, eos, method="plain"):
         toks, t_first = [], None
         t0 = time.perf_counter()                 # the Generator (its KV buffers) is per request: timed
-        g = self._generator(len(ids) + n)
+        g = self._generator(len(ids) + n, ignore_eos=not eos)
         g.append_tokens(ids)                     # the prompt's forward pass
         while not g.is_done() and len(toks) < n:
             g.generate_next_token()              # the previous token's forward pass, then the choice
@@ -109,7 +110,8 @@ class Genai:
                 ids[r, :len(p)] = p
             t_submit = time.perf_counter() - t0
             params = self.og.GeneratorParams(self.model)
-            params.set_search_options(do_sample=False, max_length=width + n, batch_size=len(rows))
+            params.set_search_options(do_sample=False, max_length=width + n, batch_size=len(rows),
+                                      **({} if eos else {"min_length": width + n}))    # (--ignore-eos)
             g = self.og.Generator(self.model, params)
             g.append_tokens(ids)                  # the prompts' forward pass
             out = [{"index": start + r, "t_submit": t_submit, "tokens": [], "t_tokens": []} for r in range(len(rows))]

@@ -254,7 +254,8 @@ class BuildConfig:
         q = self.target_quantization
         if q is None or self.batch_block_size is None:
             return q
-        return {**q, "block_size": self.batch_block_size}
+        # the LM head keeps the target's block: it moves top-1 agreement most (docs/batching.md)
+        return {**q, "block_size": self.batch_block_size, "lm_head_block_size": q["block_size"]}
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -41,6 +41,7 @@ class QuantSpec:
     accuracy_level: int = 4
     symmetric: bool = True
     lm_head: bool = True        # quantize the LM head MatMul too ([hidden, vocab], ~1/5 of the weights here)
+    lm_head_block_size: int | None = None   # matmulnbits: the LM head's own block (None: block_size)
 
     def __post_init__(self):
         assert self.method in METHODS, self.method
@@ -54,7 +55,8 @@ class QuantSpec:
         if self.method == "rowwise":
             return {"method": "rowwise int8 (MatMulIntegerToFloat)", "weight_type": "int8", "per_channel": True,
                     "activations": "int8, one dynamic scale per row", "lm_head_quantized": self.lm_head}
-        return {"method": "onnxruntime MatMulNBits", **{k: v for k, v in asdict(self).items() if k != "method"},
+        return {"method": "onnxruntime MatMulNBits",
+                **{k: v for k, v in asdict(self).items() if k != "method" and not (k == "lm_head_block_size" and v is None)},
                 "lm_head_quantized": self.lm_head,
                 "compute": {1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}.get(self.accuracy_level, "default")}
 
@@ -134,9 +136,18 @@ def quantize_graph(src: Path, dst: Path, spec: QuantSpec, vocab: int) -> None:
             return
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
         exclude = _excluded(model, spec, vocab)
+        head_apart = spec.lm_head and spec.lm_head_block_size not in (None, spec.block_size)
+        if head_apart:          # the LM head in its own blocks: a second pass over what the first left
+            exclude += lm_head_nodes(model, vocab)
         q = MatMulNBitsQuantizer(model, bits=spec.bits, block_size=spec.block_size, is_symmetric=spec.symmetric,
                                  accuracy_level=spec.accuracy_level, nodes_to_exclude=exclude)
         q.process()
+        if head_apart:
+            model = q.model.model
+            q = MatMulNBitsQuantizer(model, bits=spec.bits, block_size=spec.lm_head_block_size,
+                                     is_symmetric=spec.symmetric, accuracy_level=spec.accuracy_level,
+                                     nodes_to_exclude=rotary_nodes(model))
+            q.process()
         q.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 

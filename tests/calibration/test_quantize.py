@@ -71,3 +71,31 @@ def test_the_exported_portable_graph_keeps_one_fp32_rotation_per_layer_in_int4(t
     m = onnx.load(str(tmp_path / "q.onnx"))
     assert quantize.rotary_nodes(m) == before
     assert sum(n.op_type == "MatMulNBits" for n in m.graph.node) > 0
+
+
+def test_the_lm_head_can_keep_its_own_block(tmp_path):
+    """QuantSpec.lm_head_block_size (the batched graph of --batch-block-size keeps the target's
+    block for the LM head): the body MatMul in one block size, the [hidden, vocab] head in the
+    other, the rotation untouched."""
+    rng = np.random.default_rng(0)
+    vocab = 96
+    inits = [numpy_helper.from_array(rng.standard_normal((D, D)).astype(np.float32), "w_body"),
+             numpy_helper.from_array(_rotate_half(D), "w_rot"),
+             numpy_helper.from_array(rng.standard_normal((D, vocab)).astype(np.float32), "w_head")]
+    nodes = [helper.make_node("MatMul", ["x", "w_body"], ["h"], name="body"),
+             helper.make_node("MatMul", ["h", "w_rot"], ["r"], name="rope_rotate"),
+             helper.make_node("MatMul", ["r", "w_head"], ["y"], name="head")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, D])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, vocab])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "src.onnx"))
+    spec = quantize.QuantSpec(bits=4, block_size=64, lm_head_block_size=32)
+    quantize.quantize_graph(tmp_path / "src.onnx", tmp_path / "q.onnx", spec, vocab=vocab)
+    m = onnx.load(str(tmp_path / "q.onnx"))
+    blocks = {n.name.split("_Q4")[0]: {a.name: a.i for a in n.attribute}.get("block_size")
+              for n in m.graph.node if n.op_type == "MatMulNBits"}
+    assert sorted(blocks.values()) == [32, 64], blocks
+    assert {a.name: a.i for n in m.graph.node if n.op_type == "MatMulNBits" and
+            {a.name: a.i for a in n.attribute}.get("N") == vocab for a in n.attribute}["block_size"] == 32
+    assert [n.op_type for n in m.graph.node if n.name == "rope_rotate"] == ["MatMul"]
+    assert spec.describe()["lm_head_block_size"] == 32
+    assert "lm_head_block_size" not in quantize.QuantSpec(bits=4).describe()
