@@ -227,9 +227,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "one token per row, no speculation) or 'rows' (plain ops over each call's used part of the "
                         "cache: a batch verifies several tokens per row, so it speculates); default: the target's")
     b.add_argument("--batch-block-size", type=int, default=None,
-                   help="int8/int4 with --batch: the batched graph's quantization block (default: --block-size's). "
-                        "128 makes a batched step ~x0.8 and a prompt chunk ~x0.7 on this CPU; the runtime then "
-                        "pads every batched call to an even number of rows (docs/batching.md)")
+                   help="int8/int4 with --batch: the batched graph's quantization block, its LM head keeping "
+                        "--block-size's (default: --block-size's). Larger blocks make steps cheaper and the model "
+                        "less faithful to fp32; above 32 the runtime pads every batched call to an even number of "
+                        "rows (docs/batching.md)")
     b.add_argument("--quiet", action="store_true", help="no progress bars (specrt's, transformers', Hugging Face's)")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")

@@ -112,8 +112,9 @@ class BuildConfig:
     # (plain ops over the first L cache positions, export/batch.py: a batch can verify several
     # tokens per row, so it speculates; GroupQueryAttention on the CPU cannot)
     batch_attention: str | None = None
-    # int8/int4 with --batch: the batched graph's quantization block (None: --block-size's). A
-    # larger block makes every MatMulNBits call cheaper; above 32, ONNX Runtime's int8-compute
+    # int8/int4 with --batch: the batched graph's quantization block, its LM head keeping the
+    # target's (None: --block-size's). A larger block makes every MatMulNBits call cheaper and the
+    # model less faithful (docs/batching.md); above 32, ONNX Runtime's int8-compute
     # kernel rounds the odd last row of a call apart from the others, so the runtime pads every
     # batched call to an even number of rows (manifest io row_multiple, runtime/backends/ort_batch.py)
     batch_block_size: int | None = None
