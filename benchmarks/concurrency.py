@@ -64,6 +64,7 @@ class System:
     @property
     def missing(self) -> str | None:
         how = {"specrt-server": "make engines engines-int4 (engines-int4-rw, -rows, -b64, -b128)", "specrt-stream": "make engines engines-int4",
+               "specrt-batch": "make engines-int4 (engines-int4-b128)",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
                "openvino": "make venv-openvino && .venv/bin/python benchmarks/run_peers.py build"}[self.kind]
@@ -89,6 +90,10 @@ SYSTEMS = {s.name: s for s in [
     System("specrt-int4b64-alt", "specrt serve int4, batched block 64, alt args", "specrt-server",
            ROOT / "artifacts/smollm2-int4-b64"),
     System("specrt-int4b128-alt", "specrt serve int4, batched block 128, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-b128"),
+    # the same batched engines in process (open_batch in a worker, no server): as genai and OpenVINO run
+    System("specrt-int4-inproc", "specrt int4 batched, in process", "specrt-batch", ROOT / "artifacts/smollm2-int4"),
+    System("specrt-int4b128-inproc", "specrt int4 batched block 128, in process", "specrt-batch",
            ROOT / "artifacts/smollm2-int4-b128"),
     System("specrt-fp32-stream", "specrt fp32 single stream", "specrt-stream", ROOT / "artifacts/smollm2",
            only_clients=1),
@@ -125,11 +130,12 @@ def pick(names: str | None, alt: bool) -> list[System]:
 
 
 def make_runner(s: System, a, log_dir: Path):
-    from runners import GenaiBatches, LlamaServer, OpenVINOBatching, SpecrtServer, SpecrtStream
+    from runners import GenaiBatches, LlamaServer, OpenVINOBatching, SpecrtBatched, SpecrtServer, SpecrtStream
     if s.kind == "specrt-server":
         return SpecrtServer(s.name, s.path, a.specrt_serve_args_alt if s.name.endswith("-alt") else a.specrt_serve_args,
                             a.threads, log_dir)
     return {"specrt-stream": lambda: SpecrtStream(s.name, s.path, a.threads),
+            "specrt-batch": lambda: SpecrtBatched(s.name, s.path, a.threads),
             "genai": lambda: GenaiBatches(s.name, s.path, PEERS_PYTHON, a.threads),
             "llama": lambda: LlamaServer(s.name, LLAMA_SERVER, s.path, a.threads, log_dir),
             "openvino": lambda: OpenVINOBatching(s.name, s.path, OPENVINO_PYTHON, a.threads)}[s.kind]()

@@ -174,3 +174,23 @@ class SpecrtStream(GenaiBatches):
             recs.append({"index": i, "t_submit": t_submit, "t_chunks": [t_submit + t for t in r["t_tokens"]],
                          "n_tokens": len(r["tokens"]), "answer": r["tokens"]})
         return recs, {}
+
+
+class SpecrtBatched(GenaiBatches):
+    """specrt's batched engine in its own worker process (`open_batch`, no server): what genai and
+    OpenVINO are measured as, so the HTTP server and the client's CPU are not in the comparison."""
+
+    def __init__(self, name: str, engines: Path, threads: int):
+        self.name = name
+        self.worker = Worker("specrt-batch", engines, Path(sys.executable), threads, (("PYTHONPATH", str(ROOT)),))
+
+    def prepare(self, clients):
+        self.worker.ask(op="serve", requests=[[*range(100, 116)]] * clients, clients=clients, n=WARM_TOKENS, eos=[])
+
+    def run(self, prompts, clients, n, eos):
+        r = self.worker.ask(op="serve", requests=prompts, clients=clients, n=n, eos=eos)
+        recs = _from_worker(r["records"])
+        for rec in recs:            # its EOS was recorded as -1: the answer is the tokens before it
+            if rec["answer"] and rec["answer"][-1] == -1:
+                rec["answer"] = rec["answer"][:-1]
+        return recs, {}

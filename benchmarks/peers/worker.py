@@ -62,6 +62,62 @@ class Specrt:
                 "mean_acceptance_length": m.mean_acceptance_length if method != "plain" else None}
 
 
+class SpecrtBatch:
+    """specrt's batched engine in process (`open_batch`, the Python API a service embeds): the
+    like-for-like counterpart of genai's and OpenVINO's in-process runs, with no server or HTTP
+    client sharing the cores. serve() keeps at most `clients` requests in flight, as a client pool."""
+    methods = ("plain",)
+
+    def __init__(self, path: str, threads: int):
+        import specrt
+        self.path, self.threads, self.gen, self.rows = path, threads, None, None
+        self.info = {"specrt": specrt.__version__}
+
+    def serve(self, requests, clients, n, eos):
+        import queue
+
+        from specrt.runtime.batch.generator import open_batch
+        from specrt.runtime.batch.request import Delta, Done, Failed
+        if self.rows != clients:                    # (re)opened per level: load time, not measured
+            if self.gen is not None:
+                self.gen.close()
+            self.gen, self.rows = open_batch(self.path, max_num_seqs=clients, threads=self.threads), clients
+        done: queue.Queue = queue.Queue()
+        recs = {}
+        t0 = time.perf_counter()
+
+        def sink_for(i):
+            def sink(ev):                           # on the engine thread
+                now = time.perf_counter() - t0
+                if isinstance(ev, Delta):
+                    recs[i]["tokens"].extend(ev.tokens)
+                    recs[i]["t_tokens"].extend([now] * len(ev.tokens))
+                elif isinstance(ev, (Done, Failed)):
+                    if isinstance(ev, Done) and ev.finish_reason in ("eos", "stop"):
+                        recs[i]["tokens"].append(-1)        # the EOS it generated, as the others count it
+                        recs[i]["t_tokens"].append(now)
+                    done.put(ev)
+            return sink
+
+        pending, live = list(enumerate(requests)), 0
+        while pending or live:
+            while pending and live < clients:
+                i, ids = pending.pop(0)
+                recs[i] = {"index": i, "t_submit": time.perf_counter() - t0, "tokens": [], "t_tokens": []}
+                self.gen.submit(list(ids), max_new_tokens=n, ignore_eos=not eos, sink=sink_for(i))
+                live += 1
+            ev = done.get()
+            if isinstance(ev, Failed):
+                raise RuntimeError(f"a request failed: {ev}")
+            live -= 1
+        return {"records": [recs[i] for i in sorted(recs)], "steps": []}
+
+    def generate(self, ids, n, eos, method="plain"):
+        r = self.serve([ids], 1, n, eos)["records"][0]
+        return {"tokens": r["tokens"], "t_first": r["t_tokens"][0] if r["t_tokens"] else None,
+                "t_total": r["t_tokens"][-1] if r["t_tokens"] else 0.0}
+
+
 class Genai:
     methods = ("plain",)
 
@@ -171,7 +227,7 @@ def _openvino(path: str, threads: int):
     return OpenVINO(path, threads)
 
 
-KINDS = {"specrt": Specrt, "genai": Genai, "llama": Llama, "openvino": _openvino}
+KINDS = {"specrt": Specrt, "specrt-batch": SpecrtBatch, "genai": Genai, "llama": Llama, "openvino": _openvino}
 
 
 def main() -> int:
