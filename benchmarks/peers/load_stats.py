@@ -26,6 +26,12 @@ RATIOS = (("specrt int4 / genai int4 static batches", "specrt-int4", "genai-int4
           ("specrt int4 rows alt / its single stream", "specrt-int4rows-alt", "specrt-int4-stream", 1),
           ("specrt int4 rows alt / specrt int4 alt (1 client)", "specrt-int4rows-alt", "specrt-int4-alt", 1),
           ("specrt int4 alt / specrt int4 server, one request per engine", "specrt-int4-alt", "specrt-int4", 1),
+          ("specrt int4 in process / genai int4 static batches", "specrt-int4-inproc", "genai-int4", 8),
+          ("specrt int4 in process / OpenVINO int4", "specrt-int4-inproc", "openvino-int4", 8),
+          ("specrt int4 in process / specrt int4 alt (the server)", "specrt-int4-inproc", "specrt-int4-alt", 8),
+          ("specrt int4 in process / its single stream", "specrt-int4-inproc", "specrt-int4-stream", 1),
+          ("specrt int4 block 128 in process / genai int4 static batches", "specrt-int4b128-inproc", "genai-int4", 8),
+          ("specrt int4 block 128 in process / OpenVINO int4", "specrt-int4b128-inproc", "openvino-int4", 8),
           *((f"specrt int4 batched block {b} alt / {what}", f"specrt-int4b{b}-alt", den, c)
             for b in (64, 128)
             for what, den, c in (("genai int4 static batches", "genai-int4", 8), ("OpenVINO int4", "openvino-int4", 8),
