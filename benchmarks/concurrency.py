@@ -63,7 +63,7 @@ class System:
 
     @property
     def missing(self) -> str | None:
-        how = {"specrt-server": "make engines engines-int4 (engines-int4-rw, -rows, -b64, -b128)", "specrt-stream": "make engines engines-int4",
+        how = {"specrt-server": "make engines engines-int4 (engines-int4-same, -rows, -b64, -b128)", "specrt-stream": "make engines engines-int4",
                "specrt-batch": "make engines-int4 (engines-int4-b128)",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
@@ -79,9 +79,10 @@ SYSTEMS = {s.name: s for s in [
     System("specrt-int4", "specrt serve int4", "specrt-server", ROOT / "artifacts/smollm2-int4"),
     System("specrt-fp32-alt", "specrt serve fp32, alt args", "specrt-server", ROOT / "artifacts/smollm2"),
     System("specrt-int4-alt", "specrt serve int4, alt args", "specrt-server", ROOT / "artifacts/smollm2-int4"),
-    # int4 decode steps, int8 prompt chunks (`--batch-prefill rowwise`): make engines-int4-rw
-    System("specrt-int4rw-alt", "specrt serve int4 + int8 prefill, alt args", "specrt-server",
-           ROOT / "artifacts/smollm2-int4-rw"),
+    # int4 prompt chunks too (`--batch-prefill same`, one copy of the weights; the int4 default
+    # runs them through an int8 graph): make engines-int4-same
+    System("specrt-int4same-alt", "specrt serve int4, int4 prefill, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-same"),
     # int4, the batched model with --batch-attention rows (its batches speculate): make engines-int4-rows
     System("specrt-int4rows-alt", "specrt serve int4, rows attention, alt args", "specrt-server",
            ROOT / "artifacts/smollm2-int4-rows"),

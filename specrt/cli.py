@@ -217,11 +217,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="also export the target with a batch dimension, so that `specrt serve --max-num-seqs N` "
                         "decodes many requests at once on one copy of the weights (ort-cpu; adds one graph and "
                         "a copy of the weights on disk)")
-    b.add_argument("--batch-prefill", choices=("same", "rowwise"), default=None,
-                   help="how the batched model runs prompt chunks: 'same' (default: the batched graph, quantized as "
-                        "the target) or 'rowwise' (a second graph with int8 per-channel weights, ONNX Runtime's int8 "
-                        "GEMM: ~2.7x faster prefill on CPUs with VNNI/AMX, for an int8 copy of the weights in "
-                        "memory); decode steps keep the target's precision")
+    b.add_argument("--batch-prefill", choices=("auto", "same", "rowwise"), default=None,
+                   help="how the batched model runs prompt chunks: 'rowwise' (a second graph with int8 per-channel "
+                        "weights, ONNX Runtime's int8 GEMM: ~2.7x faster prefill on CPUs with VNNI/AMX and, for an "
+                        "int4 target, prompt K/V closer to fp32, for an int8 copy of the weights in memory) or "
+                        "'same' (the batched graph, quantized as the target: one copy of the weights); decode "
+                        "steps keep the target's precision. Default 'auto': rowwise for int4, same otherwise")
     b.add_argument("--batch-attention", choices=("gqa", "rows"), default=None,
                    help="the batched model's attention: 'gqa' (GroupQueryAttention: on the CPU a batch then runs "
                         "one token per row, no speculation) or 'rows' (plain ops over each call's used part of the "

@@ -104,11 +104,23 @@ def tiny_int4_engines(tmp_path_factory, tiny_pair) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_batch_engines(tmp_path_factory, tiny_pair) -> Path:
-    """The tiny target quantized to int4 with its batched copy (`specrt build --batch`: one
-    graph with a symbolic row count, GroupQueryAttention) and no draft."""
+    """The tiny target quantized to int4 with its batched copy, as `specrt build --precision
+    int4 --batch` makes it: the graph "step" with a symbolic row count (GroupQueryAttention,
+    int4), and "prefill", the same graph with int8 per-channel weights for prompt chunks
+    (`--batch-prefill auto` is rowwise for int4); no draft."""
     target, _ = tiny_pair
     return _once(tmp_path_factory, "eng-batch", lambda d: build_tiny(d / "batch", target, "none", precision="int4",
                                                                      block_size=16, batch=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_same_engines(tmp_path_factory, tiny_pair) -> Path:
+    """tiny_batch_engines with `--batch-prefill same`: one batched graph (int4) for prompt chunks
+    and decode steps alike, one weights copy; what device buckets run."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-same",
+                 lambda d: build_tiny(d / "batch-same", target, "none", precision="int4", block_size=16, batch=True,
+                                      batch_prefill="same", ngram_tokens=0))
 
 
 @pytest.fixture(scope="session")

@@ -126,7 +126,13 @@ def test_build_passes_batch_prefill_to_the_config_and_refuses_it_without_batch(c
                      "rowwise"], capsys)
     assert rc == 0 and seen["cfg"].batch and seen["cfg"].batch_prefill == "rowwise"
     rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch"], capsys)
-    assert seen["cfg"].batch_prefill == "same"
+    assert seen["cfg"].batch_prefill == "auto" and seen["cfg"].batch_prefill_graph == "same"     # fp32
+    rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--precision", "int4"],
+                    capsys)
+    assert rc == 0 and seen["cfg"].batch_prefill_graph == "rowwise"
+    rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--precision", "int4",
+                     "--batch-prefill", "same"], capsys)
+    assert rc == 0 and seen["cfg"].batch_prefill_graph == "same"
 
 
 def test_build_passes_batch_attention_to_the_config(capsys, tmp_path, monkeypatch):

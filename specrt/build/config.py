@@ -25,7 +25,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
 # speculative decoding agree bit for bit (build/gates/rows.py); fp32 compute (1) makes
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
 # more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
-BATCH_PREFILL = ("same", "rowwise")     # BuildConfig.batch_prefill
+BATCH_PREFILL = ("auto", "same", "rowwise")     # BuildConfig.batch_prefill
 BATCH_ATTENTION = ("gqa", "rows")       # BuildConfig.batch_attention
 PRECISIONS = {
     "fp32": None,
@@ -106,8 +106,10 @@ class BuildConfig:
     # the batched model's prefill chunks: "same" (the batched graph, quantized as the target) or
     # "rowwise" (a second graph, int8 per-channel weights x int8 rows, MatMulIntegerToFloat:
     # ONNX Runtime's int8 GEMM, ~2.7x faster than int4 MatMulNBits on a 48-token chunk on this
-    # CPU, at the cost of an int8 copy of the weights); decode steps keep the target's precision
-    batch_prefill: str = "same"
+    # CPU, at the cost of an int8 copy of the weights); decode steps keep the target's precision.
+    # "auto": rowwise for int4 (measured on SmolLM2 int4: faster prompts and closer to fp32, the
+    # prompt's K/V coming from 8-bit weights; docs/batching.md), same otherwise (batch_prefill_graph)
+    batch_prefill: str = "auto"
     # the batched graph's attention: None (the target's), "gqa" (GroupQueryAttention) or "rows"
     # (plain ops over the first L cache positions, export/batch.py: a batch can verify several
     # tokens per row, so it speculates; GroupQueryAttention on the CPU cannot)
@@ -162,7 +164,7 @@ class BuildConfig:
         if self.batch_block_size is not None and self.precision == "fp32":
             raise ConfigError(f"--batch-block-size {self.batch_block_size} quantizes the batched model: give "
                               "--precision int4 or int8 (an fp32 target has no quantization block)")
-        if self.batch_prefill != "same" and not self.batch:
+        if self.batch_prefill not in ("auto", "same") and not self.batch:
             raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":
             self._check_backend(BACKEND_SPECS[self.backend], kind)
@@ -257,6 +259,14 @@ class BuildConfig:
             return q
         # the LM head keeps the target's block: it moves top-1 agreement most (docs/batching.md)
         return {**q, "block_size": self.batch_block_size, "lm_head_block_size": q["block_size"]}
+
+    @property
+    def batch_prefill_graph(self) -> str:
+        """How the batched model runs prompt chunks, "auto" resolved: "rowwise" (a second, int8
+        per-channel graph) for an int4 target, "same" (the step graph) otherwise."""
+        if self.batch_prefill != "auto":
+            return self.batch_prefill
+        return "rowwise" if self.batch and self.precision == "int4" else "same"
 
     def as_dict(self) -> dict:
         return asdict(self)

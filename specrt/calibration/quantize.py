@@ -111,6 +111,42 @@ def rotary_nodes(model: onnx.ModelProto) -> list[str]:
             if n.op_type == "MatMul" and n.input[1] in inits and is_signed_permutation(inits[n.input[1]])]
 
 
+def gather_rows(model: onnx.ModelProto) -> list[str]:
+    """Store a table that only a column lookup reads by rows. A tied model embeds its tokens by
+    gathering columns of the [C, V] LM head table (Gather axis 1, then a [C, N] -> [N, C]
+    transpose, export/graph.py); once the LM head is quantized the fp32 table serves only that
+    lookup, and a column gather touches a page in every row of the table for each token (the whole
+    table becomes resident, ~108 MiB per session on SmolLM2). Rewritten to Gather(table^T, axis 0)
+    + Identity: the same values, one row read per token. Returns the tables rewritten; a table
+    with another reader (an fp32 LM head MatMul) stays as it is."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    done = []
+    for n in list(g.node):
+        name = n.input[0] if n.op_type == "Gather" and n.input else None
+        if name not in inits or len(inits[name].dims) != 2 or len(readers.get(name, ())) != 1:
+            continue
+        attrs = {a.name: a for a in n.attribute}
+        after = readers.get(n.output[0], [])
+        if "axis" not in attrs or attrs["axis"].i != 1 or len(after) != 1 or after[0].op_type != "Transpose" \
+                or list(next((a.ints for a in after[0].attribute if a.name == "perm"), [])) != [1, 0]:
+            continue
+        rows = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[name]).T), f"{name}.rows")
+        g.initializer.remove(inits[name])
+        g.initializer.append(rows)
+        n.input[0] = rows.name
+        attrs["axis"].i = 0
+        t = after[0]          # [N, C] already: the transpose becomes an identity
+        t.op_type = "Identity"
+        del t.attribute[:]
+        done.append(name)
+    return done
+
+
 def _excluded(model: onnx.ModelProto, spec: QuantSpec, vocab: int) -> list[str]:
     """The MatMuls a quantizer must leave in fp32: the rotary permutation, and the LM head
     unless spec.lm_head."""
@@ -177,6 +213,7 @@ def quantize_graphs(export_dir: Path, export: dict, out_dir: Path, graphs: tuple
                 continue
             quantize_graph(src, dst, specs[g], vocab)
             protos[g] = onnx.load(str(dst))
+            gather_rows(protos[g])
     tokens = {g: export["graphs"][source.get(g, g)]["tokens"] for g in protos}
     entries, winfo = wpack.save_graphs(protos, out_dir, tokens)
     described = spec.describe() if not isinstance(spec, dict) else \

@@ -162,7 +162,8 @@ class BatchedDecoder(StaticDecoder):
         # [B, T] ids -> [B, T, C]; a tied model gathers columns of the [C, V] head
         B, T = input_ids.shape
         if self.embed is None:
-            x = self.lm_head[:, input_ids.reshape(-1)].t().reshape(B, T, -1)
+            # Gather(axis=1), not lm_head[:, ids] (a Transpose of the table: a V*C copy per session)
+            x = torch.index_select(self.lm_head, 1, input_ids.reshape(-1)).t().reshape(B, T, -1)
         else:
             x = self.embed[input_ids]
         if self.dims.embed_scale != 1.0:     # Gemma: sqrt(hidden), after the gather

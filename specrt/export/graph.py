@@ -138,7 +138,9 @@ class StaticDecoder(nn.Module):
         # input_ids: [1, T]; past_len: [1]; past: 2*L tensors [1, KVH, M, D]
         pos = past_len + self.step_pos                                   # [T]
         if self.embed is None:
-            x = self.lm_head[:, input_ids[0]].t().unsqueeze(0)               # [1, T, C]
+            # Gather(axis=1) of the T columns, then a [C, T] transpose: indexing lm_head[:, ids]
+            # would export Transpose(lm_head), which ONNX Runtime folds into a V*C copy per session
+            x = torch.index_select(self.lm_head, 1, input_ids[0]).t().unsqueeze(0)   # [1, T, C]
         else:
             x = self.embed[input_ids[0]].unsqueeze(0)
         if self.dims.embed_scale != 1.0:     # Gemma: sqrt(hidden), after the gather (the table is the LM head)

@@ -99,3 +99,46 @@ def test_the_lm_head_can_keep_its_own_block(tmp_path):
     assert [n.op_type for n in m.graph.node if n.name == "rope_rotate"] == ["MatMul"]
     assert spec.describe()["lm_head_block_size"] == 32
     assert "lm_head_block_size" not in quantize.QuantSpec(bits=4).describe()
+
+
+def _lookup_graph(table: np.ndarray, head_reads_table: bool) -> onnx.ModelProto:
+    """ids [N] -> Gather(table [C, V], axis 1) -> Transpose -> [N, C] (the tied embedding
+    lookup as exported), and optionally an fp32 LM head MatMul reading the same table."""
+    C, V = table.shape
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["cols"], axis=1),
+             helper.make_node("Transpose", ["cols"], ["x"], perm=[1, 0])]
+    outs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", C])]
+    if head_reads_table:
+        nodes.append(helper.make_node("MatMul", ["x", "table"], ["logits"]))
+        outs.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", V]))
+    graph = helper.make_graph(nodes, "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])],
+                              outs, [numpy_helper.from_array(table, "table")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_gather_rows_stores_a_lookup_only_table_by_rows_with_the_same_values():
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.ort_cpu import session_options
+    table = np.random.default_rng(0).standard_normal((8, 50)).astype(np.float32)     # [C, V]
+    ids = np.array([3, 0, 49, 3, 17], np.int64)
+    model = _lookup_graph(table, head_reads_table=False)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), session_options(2), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
+
+    before = run(model)
+    assert quantize.gather_rows(model) == ["table"]
+    inits = {i.name: i for i in model.graph.initializer}
+    assert list(inits) == ["table.rows"] and list(inits["table.rows"].dims) == [50, 8]
+    assert [(n.op_type, [a.i for a in n.attribute]) for n in model.graph.node] == [("Gather", [0]), ("Identity", [])]
+    onnx.checker.check_model(model)
+    after = run(model)
+    assert after[0].tobytes() == before[0].tobytes() == table[:, ids].T.tobytes()
+
+
+def test_gather_rows_leaves_a_table_the_lm_head_also_reads():
+    model = _lookup_graph(np.ones((8, 50), np.float32), head_reads_table=True)
+    assert quantize.gather_rows(model) == []
+    assert [i.name for i in model.graph.initializer] == ["table"]
+    assert [n.op_type for n in model.graph.node] == ["Gather", "Transpose", "MatMul"]

@@ -37,13 +37,13 @@ def test_bucket_plan_and_the_bucket_of_a_step():
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_batch_engines):
-    with open_batch(tiny_batch_engines, max_num_seqs=1) as g:
+def alone(tiny_batch_same_engines):
+    with open_batch(tiny_batch_same_engines, max_num_seqs=1) as g:
         return [g.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS]
 
 
-def test_bucketed_rows_equal_each_request_alone_and_each_shape_is_captured_once(tiny_batch_engines, alone):
-    with open_batch(tiny_batch_engines, max_num_seqs=4, buckets=(1, 2, 4), execution="cpu") as g:
+def test_bucketed_rows_equal_each_request_alone_and_each_shape_is_captured_once(tiny_batch_same_engines, alone):
+    with open_batch(tiny_batch_same_engines, max_num_seqs=4, buckets=(1, 2, 4), execution="cpu") as g:
         got = [c.tokens for c in g.generate_batch(PROMPTS, max_new_tokens=NEW)]
         model, st = g.engine.target, g.engine.stats
         stats = model.graph_stats()
@@ -62,8 +62,8 @@ def test_bucketed_rows_equal_each_request_alone_and_each_shape_is_captured_once(
         assert len(model.device.graphs) == 3                           # the emulation recorded 3 graphs
 
 
-def test_execution_must_be_known_and_cuda_needs_the_cuda_provider(tiny_batch_engines):
+def test_execution_must_be_known_and_cuda_needs_the_cuda_provider(tiny_batch_same_engines):
     with pytest.raises(ConfigError, match="execution"):
-        open_batch(tiny_batch_engines, max_num_seqs=2, buckets=(1, 2), execution="gpu")
+        open_batch(tiny_batch_same_engines, max_num_seqs=2, buckets=(1, 2), execution="gpu")
     with pytest.raises(CudaUnavailableError):        # this machine's onnxruntime has no CUDA provider
-        open_batch(tiny_batch_engines, max_num_seqs=2, buckets=(1, 2), execution="cuda")
+        open_batch(tiny_batch_same_engines, max_num_seqs=2, buckets=(1, 2), execution="cuda")

@@ -44,7 +44,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     from specrt.calibration import quantize
     from specrt.export import onnx_export
     shapes = cfg.shapes
-    rowwise = cfg.batch_prefill == "rowwise"
+    rowwise = cfg.batch_prefill_graph == "rowwise"
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise else "_batch_fp32")
     attention = cfg.batch_attention or target_part.get("attention", cfg.attention)
     part = onnx_export.export_model(tgt, shapes, src, attention=attention,

@@ -174,8 +174,8 @@ class DeviceBatchModel:
         files = {g.file for g in entry.graphs.values()}
         if len(files) != 1:
             raise ManifestError(f"the {entry.role} model has {len(files)} graph files; device buckets run one batched "
-                                "graph: rebuild with `specrt build --batch` without --batch-prefill rowwise (a CPU "
-                                "option)")
+                                "graph: rebuild with `specrt build --batch --batch-prefill same` (the rowwise prefill "
+                                "graph, the int4 default, is a CPU option)")
         path = Path(root) / files.pop()
         capture = cuda_graphs and execution == "cuda"
         if capture:

@@ -1,8 +1,8 @@
-"""`specrt build --batch --batch-prefill rowwise`: the batched model gets a second graph,
-"prefill" (the same batched graph with int8 per-channel weights, ONNX Runtime's int8 GEMM),
-that runs prompt chunks, while decode steps stay in "step" (int4 MatMulNBits). A request's
-tokens still do not depend on what else is in the batch: prompt chunks run one row at a time
-through the same graph, whatever the batch."""
+"""`specrt build --batch --batch-prefill rowwise` (the int4 default, `auto`): the batched model
+gets a second graph, "prefill" (the same batched graph with int8 per-channel weights, ONNX
+Runtime's int8 GEMM), that runs prompt chunks, while decode steps stay in "step" (int4
+MatMulNBits). A request's tokens still do not depend on what else is in the batch: prompt
+chunks run one row at a time through the same graph, whatever the batch."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,6 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import build_tiny
-
 from specrt.errors import ConfigError, ManifestError
 from specrt.runtime.batch.generator import open_batch
 
@@ -22,10 +20,8 @@ NEW = 20
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory, tiny_pair):
-    target, _ = tiny_pair
-    return build_tiny(tmp_path_factory.mktemp("rowwise") / "e", target, "none", precision="int4", block_size=16,
-                      batch=True, ngram_tokens=0, batch_prefill="rowwise")
+def engines(tiny_batch_engines):
+    return tiny_batch_engines           # int4 --batch: rowwise prefill by default
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +106,43 @@ def test_the_option_needs_batch_and_a_known_kind(tiny_pair, tmp_path):
         BuildConfig(target=str(target), out=str(tmp_path / "x"), batch=True, batch_prefill="int2")
 
 
+def test_auto_is_rowwise_for_int4_only_and_same_keeps_one_graph(tiny_batch_same_engines):
+    from specrt.build.config import BuildConfig
+    graph = {(prec, batch, choice): BuildConfig(target="t", out="o", precision=prec, batch=batch,
+                                                batch_prefill=choice).batch_prefill_graph
+             for prec in ("fp32", "int8", "int4") for batch in (False, True) for choice in ("auto", "same")}
+    assert {k for k, v in graph.items() if v == "rowwise"} == {("int4", True, "auto")}
+    assert BuildConfig(target="t", out="o", precision="fp32", batch=True,
+                       batch_prefill="rowwise").batch_prefill_graph == "rowwise"
+    b = json.loads((tiny_batch_same_engines / "manifest.json").read_text())["models"]["batch"]
+    assert set(b["graphs"]) == {"step"} and "prefill_graph" not in b["source"]
+
+
 def test_device_buckets_refuse_two_graph_files_naming_the_fix(engines):
     from specrt.runtime.backends.device_batch import DeviceBatchModel
     from specrt.manifest import load
     man = load(engines)
-    with pytest.raises(ManifestError, match="without --batch-prefill rowwise"):
+    with pytest.raises(ManifestError, match="--batch-prefill same"):
         DeviceBatchModel(engines, man.models["batch"], man.shapes, rows=2, execution="cpu")
+
+
+def test_the_embedding_lookup_reads_the_table_without_a_copy(engines, tiny_int4_engines, tiny_engines):
+    """A tied model gathers its embeddings from the LM head table. Exported as lm_head[:, ids]
+    (Transpose(table) + GatherND), ONNX Runtime folds the transpose into a V*C copy in every
+    session (~108 MiB each on SmolLM2) and torch folds it into a second table on disk for small
+    models. The exporter gathers the [C, V] table's columns (Gather axis 1: fp32 graphs, whose LM
+    head MatMul reads the same table); once the head is quantized the table is stored [V, C] and
+    gathered by rows (axis 0: a lookup reads its tokens' rows, not a page of every row)."""
+    graphs = [(p, True) for p in sorted(engines.rglob("*.onnx")) + sorted(tiny_int4_engines.rglob("*.onnx"))]
+    graphs += [(p, False) for p in sorted((tiny_engines / "target").rglob("*.onnx"))]
+    assert len(graphs) >= 7
+    for path, quantized in graphs:
+        g = onnx.load(str(path), load_external_data=False).graph
+        inits = {i.name: i for i in g.initializer}
+        transposed = [n.input[0] for n in g.node if n.op_type == "Transpose" and n.input[0] in inits]
+        assert not transposed, f"{path.name}: Transpose of initializer(s) {transposed}"
+        tables = [(n.op_type, {a.name: a.i for a in n.attribute}.get("axis", 0), list(inits[n.input[0]].dims))
+                  for n in g.node if n.op_type in ("Gather", "GatherND") and n.input[0] in inits]
+        vocab = g.output[0].type.tensor_type.shape.dim[-1].dim_value
+        want = ("Gather", 0, 0) if quantized else ("Gather", 1, 1)      # op, axis, the table's vocab dim
+        assert len(tables) == 1 and tables[0][:2] == want[:2] and tables[0][2][want[2]] == vocab, (path, tables)
