@@ -127,11 +127,12 @@ def tiny_batch_same_engines(tmp_path_factory, tiny_pair) -> Path:
 def tiny_batch_b64_engines(tmp_path_factory, tiny_pair) -> Path:
     """tiny_batch_engines with the batched graph quantized in blocks of 64 (`--batch-block-size
     64`): ONNX Runtime's int4 kernel then rounds a call's odd last row apart, so the manifest
-    asks for an even number of rows per call (io row_multiple 2)."""
+    asks for an even number of rows per call (io row_multiple 2). Prompt chunks run through the
+    same graph (`--batch-prefill same`), so the padding of multi-token calls is exercised too."""
     target, _ = tiny_pair
     return _once(tmp_path_factory, "eng-batch-b64",
                  lambda d: build_tiny(d / "b64", target, "none", precision="int4", block_size=16, batch=True,
-                                      batch_block_size=64, ngram_tokens=0))
+                                      batch_block_size=64, batch_prefill="same", ngram_tokens=0))
 
 
 @pytest.fixture(scope="session")

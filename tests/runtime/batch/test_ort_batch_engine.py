@@ -1,5 +1,8 @@
-"""The batched engine on real graphs: a tiny int4 target built with `--batch` (one ONNX
-graph with a symbolic row count, GroupQueryAttention, MatMulNBits), through ONNX Runtime.
+"""The batched engine on real graphs: a tiny int4 target built with `--batch --batch-prefill
+same` (one ONNX graph with a symbolic row count, GroupQueryAttention, MatMulNBits, for prompt
+chunks and decode steps alike), through ONNX Runtime. The int4 default's int8 prompt-chunk graph
+(`--batch-prefill auto`) has its own tests (test_batch_prefill_rowwise.py); its prompt K/V
+differ from the one-row graphs', so only this build can equal the one-stream runtime.
 
 What a request gets must not depend on what else runs: greedy tokens equal the request run
 alone and equal the one-stream runtime's plain decoding; a seeded sample is the same in any
@@ -28,8 +31,8 @@ NEW = 24
 
 
 @pytest.fixture(scope="module")
-def gen(tiny_batch_engines):
-    g = open_batch(tiny_batch_engines, max_num_seqs=3)
+def gen(tiny_batch_same_engines):
+    g = open_batch(tiny_batch_same_engines, max_num_seqs=3)
     yield g
     g.close()
 
@@ -40,8 +43,8 @@ def alone(gen):
     return [gen.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS]
 
 
-def test_the_build_records_the_batched_graph_and_its_invariance(tiny_batch_engines):
-    man = json.loads((tiny_batch_engines / "manifest.json").read_text())
+def test_the_build_records_the_batched_graph_and_its_invariance(tiny_batch_same_engines):
+    man = json.loads((tiny_batch_same_engines / "manifest.json").read_text())
     b = man["models"]["batch"]
     assert list(b["graphs"]) == ["step"]
     assert b["graphs"]["step"]["batch"] == "dynamic" and b["graphs"]["step"]["dynamic_tokens"] is True
@@ -49,7 +52,7 @@ def test_the_build_records_the_batched_graph_and_its_invariance(tiny_batch_engin
     assert inv["equal"] is True and inv["max_abs_logit_delta"] == 0.0 and inv["rows"] >= 2
 
 
-def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alone, tiny_batch_engines):
+def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alone, tiny_batch_same_engines):
     # 7 requests on 3 rows: rows fill, finish at different steps (different prompt lengths and
     # EOS), and waiting requests join mid-generation
     st = gen.engine.stats
@@ -57,7 +60,7 @@ def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alo
     together = [c.tokens for c in gen.generate_batch(PROMPTS, max_new_tokens=NEW)]
     assert together == alone
     assert (st.row_steps - rows) / (st.steps - steps) > 2.0     # the rows really shared steps
-    one = SpeculativeGenerator(tiny_batch_engines, methods=("plain",))
+    one = SpeculativeGenerator(tiny_batch_same_engines, methods=("plain",))
     assert [one.generate(p, max_new_tokens=NEW, method="plain").tokens for p in PROMPTS] == alone
 
 
@@ -123,10 +126,10 @@ def test_engines_without_a_batched_model_are_refused_with_the_fix(tiny_int4_engi
         open_batch(tiny_int4_engines)
 
 
-def test_a_manifest_that_does_not_show_invariance_is_refused(tiny_batch_engines, tmp_path):
+def test_a_manifest_that_does_not_show_invariance_is_refused(tiny_batch_same_engines, tmp_path):
     import shutil
     copy = tmp_path / "e"
-    shutil.copytree(tiny_batch_engines, copy)
+    shutil.copytree(tiny_batch_same_engines, copy)
     man = json.loads((copy / "manifest.json").read_text())
     man["models"]["batch"]["parity"]["batch_invariance"]["equal"] = False
     (copy / "manifest.json").write_text(json.dumps(man))
@@ -146,7 +149,7 @@ def test_the_model_refuses_several_tokens_in_several_gqa_rows(gen):
         m.step("step", np.zeros((2, 2), np.int64), np.zeros(2, np.int64), 0)
 
 
-def test_a_prefill_chunk_computes_the_logits_of_its_last_position_only(gen, tiny_batch_engines):
+def test_a_prefill_chunk_computes_the_logits_of_its_last_position_only(gen, tiny_batch_same_engines):
     """The engine binds logit_pos [[last]] for a prefill chunk (the LM head over one row, not
     the chunk), and those logits are the full step's row, bit for bit."""
     m = gen.engine.target
@@ -178,10 +181,10 @@ def _without_logit_pos(path):
     onnx.save(model, str(path))
 
 
-def test_graphs_built_before_logit_pos_still_serve_the_same_tokens(tiny_batch_engines, alone, tmp_path):
+def test_graphs_built_before_logit_pos_still_serve_the_same_tokens(tiny_batch_same_engines, alone, tmp_path):
     import shutil
     copy = tmp_path / "old"
-    shutil.copytree(tiny_batch_engines, copy)
+    shutil.copytree(tiny_batch_same_engines, copy)
     _without_logit_pos(copy / "batch" / "step.onnx")
     g = open_batch(copy, max_num_seqs=3, verify="none")
     try:
