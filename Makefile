@@ -34,8 +34,8 @@ $(GGUF): | venv
 # builds the GPU engines into $(ENGINES)-$(BACKEND) (docs/gpu.md); demo, bench and
 # test always use the CPU engines in $(ENGINES).
 BACKEND ?= ort-cpu
-BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/engines/*.py specrt/build/*.py \
-                 specrt/build/gates/*.py) specrt/driver.py specrt/manifest.py
+BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/engines/*.py specrt/builder/*.py \
+                 specrt/builder/gates/*.py) specrt/driver.py specrt/manifest.py
 BACKEND_ENGINES := $(if $(filter ort-cpu,$(BACKEND)),$(ENGINES),$(ENGINES)-$(BACKEND))
 engines: $(BACKEND_ENGINES)/manifest.json
 $(ENGINES)/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv

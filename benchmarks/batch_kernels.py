@@ -59,7 +59,7 @@ QUANTIZED = {   # case -> (fp32 case, quantization)
 def quant_spec(name: str):
     from specrt.calibration import int8
     from specrt.calibration.quantize import QuantSpec
-    from specrt.build.config import PRECISIONS
+    from specrt.builder.config import PRECISIONS
     if name == "int4":
         return QuantSpec(**PRECISIONS["int4"])
     if name == "rowwise":

@@ -202,7 +202,7 @@ def prepare(src: Path, out: Path) -> None:
     SRC's and the fused graphs quantized to int4 as the build does (OUT/int4, OUT/int4-fused:
     calibration.quantize with config.PRECISIONS["int4"])."""
     from specrt.calibration import quantize
-    from specrt.build.config import PRECISIONS
+    from specrt.builder.config import PRECISIONS
     from specrt.export import fuse
     from specrt.export import weights as wpack
     out.mkdir(parents=True, exist_ok=True)

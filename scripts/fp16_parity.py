@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
-    from specrt.build.config import DEFAULT_MODEL
+    from specrt.builder.config import DEFAULT_MODEL
     from specrt.driver import graph_set, greedy
-    from specrt.build.gates import precision
+    from specrt.builder.gates import precision
     from specrt.export import onnx_export, parity, sources
     from specrt.manifest import Shapes
 

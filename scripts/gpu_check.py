@@ -69,7 +69,7 @@ def greedy_status(report: dict) -> tuple[str, str]:
 
 
 def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results, *, polygraphy: str) -> None:
-    from specrt.build.gates import precision
+    from specrt.builder.gates import precision
     from specrt.export import onnx_export, sources
 
     lm = sources.load_source(src)
@@ -132,8 +132,8 @@ def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results
 def _build(src: Path, shapes, out: Path, backend: str) -> Path:
     """engines for `backend`, no draft (speculation is then prompt lookup): the GPU backends'
     default draft; the CPU reference is the fp32 target's plain greedy output."""
-    from specrt.build.config import BuildConfig
-    from specrt.build.pipeline import build
+    from specrt.builder.config import BuildConfig
+    from specrt.builder.pipeline import build
     return build(BuildConfig(target=str(src), out=str(out), draft="none", max_context=shapes.max_context,
                              prefill_chunk=shapes.prefill_chunk, k=shapes.k, backend=backend,
                              measure_costs=False), progress=False, force=True)
@@ -151,7 +151,7 @@ def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], 
     options: the backend's (e.g. {"cuda_graphs": False})."""
     import numpy as np
 
-    from specrt.build.gates.precision import FP16_ATOL, FP16_RTOL
+    from specrt.builder.gates.precision import FP16_ATOL, FP16_RTOL
     from specrt.runtime import SpeculativeGenerator
     from specrt.runtime.loop import prefill
 
@@ -191,8 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/specrt-gpu-check"))
     ap.add_argument("--skip-default", action="store_true", help="only the tiny model")
     args = ap.parse_args(argv)
-    from specrt.build.config import DEFAULT_MODEL
-    from specrt.build.backend import probe, select_backend
+    from specrt.builder.config import DEFAULT_MODEL
+    from specrt.builder.backend import probe, select_backend
     from specrt.manifest import Shapes
 
     p = probe()

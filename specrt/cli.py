@@ -24,8 +24,8 @@ def _sampling(a):
 def cmd_build(a) -> int:
     if a.quiet:
         _quiet_progress_bars()
-    from specrt.build.config import config_for
-    from specrt.build.pipeline import build
+    from specrt.builder.config import config_for
+    from specrt.builder.pipeline import build
     cfg = config_for(a.preset, target=a.target, out=a.out, draft=a.draft, max_context=a.max_context,
                      prefill_chunk=a.prefill_chunk, k=a.k, attention=a.attention, backend=a.backend,
                      measure_costs=a.measure_costs, draft_vocab=a.draft_vocab, ngram_tokens=a.ngram_tokens,
@@ -158,7 +158,7 @@ def cmd_triton_repo(a) -> int:
 
 
 def cmd_qdq(a) -> int:
-    from specrt.build.qdq_engine import make_qdq, summary
+    from specrt.builder.qdq_engine import make_qdq, summary
     from specrt.calibration.qdq import QDQSpec
     spec = QDQSpec(prompts=a.prompts, eval_prompts=a.eval_prompts, decode_steps=a.decode_steps, threads=a.threads,
                    **({} if a.keep_float is None else

@@ -23,7 +23,7 @@ def show_build_defaults(b: argparse.ArgumentParser) -> None:
     defaults in their help (a preset changes the draft and the output folder only)."""
     from dataclasses import MISSING, fields
 
-    from specrt.build.config import BuildConfig    # a dataclass: no torch
+    from specrt.builder.config import BuildConfig    # a dataclass: no torch
     defaults = {f.name: f.default for f in fields(BuildConfig) if f.default is not MISSING}
     for action in b._actions:
         value = defaults.get(action.dest)

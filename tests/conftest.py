@@ -77,8 +77,8 @@ def tiny_pair(tmp_path_factory):
 
 
 def build_tiny(out: Path, target: Path, draft: str, **kw) -> Path:
-    from specrt.build.config import BuildConfig
-    from specrt.build.pipeline import build
+    from specrt.builder.config import BuildConfig
+    from specrt.builder.pipeline import build
     # measure_costs off: these engines test the fixed-k loop; adaptive k has its own tests
     cfg = BuildConfig(target=str(target), out=str(out), draft=draft, max_context=kw.pop("max_context", 96),
                       prefill_chunk=kw.pop("prefill_chunk", 16), k=kw.pop("k", 3),

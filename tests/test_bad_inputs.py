@@ -361,7 +361,7 @@ def test_build_with_a_draft_path_that_does_not_exist_raises_specrt_error(tiny_pa
 
 
 def test_an_int8_draft_that_disagrees_with_its_target_fails_the_build(tiny_pair, tmp_path, monkeypatch):
-    from specrt.build.gates import measure
+    from specrt.builder.gates import measure
     from specrt.errors import ParityError
 
     real = measure.draft_agreement

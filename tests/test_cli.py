@@ -112,7 +112,7 @@ def test_quiet_build_hides_the_libraries_progress_bars(tiny_pair, tmp_path):
 
 
 def test_build_passes_batch_prefill_to_the_config_and_refuses_it_without_batch(capsys, tmp_path, monkeypatch):
-    import specrt.build.pipeline as pipeline
+    import specrt.builder.pipeline as pipeline
     seen = {}
 
     def fake_build(cfg, progress=True, force=False):      # the CLI's plumbing only: no export
@@ -136,7 +136,7 @@ def test_build_passes_batch_prefill_to_the_config_and_refuses_it_without_batch(c
 
 
 def test_build_passes_batch_attention_to_the_config(capsys, tmp_path, monkeypatch):
-    import specrt.build.pipeline as pipeline
+    import specrt.builder.pipeline as pipeline
     seen = {}
 
     def fake_build(cfg, progress=True, force=False):      # the CLI's plumbing only: no export

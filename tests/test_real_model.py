@@ -122,8 +122,8 @@ def test_a_truncated_copy_of_the_real_target_works_as_a_separate_draft(tmp_path)
     must still be the target's, token for token."""
     from conftest import ROOT
 
-    from specrt.build.config import PRESETS
-    from specrt.build.pipeline import build
+    from specrt.builder.config import PRESETS
+    from specrt.builder.pipeline import build
 
     cfg = PRESETS["smollm2-truncated"].with_(target=str(ROOT / PRESETS["smollm2"].target),
                                             out=str(tmp_path / "trunc"), max_context=256,
@@ -148,7 +148,7 @@ def test_a_long_prompt_fed_in_several_chunks_continues_like_hugging_face(gen):
     import torch
 
     from conftest import ROOT
-    from specrt.build.config import PRESETS
+    from specrt.builder.config import PRESETS
     from specrt.export.sources import load_source
 
     text = " ".join(PROMPTS) + " Now answer the first question only."

@@ -39,8 +39,8 @@ def build_tiny(out, target, draft, force=False):
     """conftest.build_tiny, with build's force flag."""
     if not force:
         return _build_tiny(out, target, draft)
-    from specrt.build.config import BuildConfig
-    from specrt.build.pipeline import build
+    from specrt.builder.config import BuildConfig
+    from specrt.builder.pipeline import build
     return build(BuildConfig(target=str(target), out=str(out), draft=draft, max_context=96, prefill_chunk=16, k=3),
                  progress=False, force=True)
 
@@ -318,7 +318,7 @@ def test_cli_generate_into_a_closed_pipe_exits_quietly(tiny_engines):
 
 def test_preset_model_is_found_from_another_folder_or_named_with_what_to_do(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    from specrt.build.config import preset_model
+    from specrt.builder.config import preset_model
     from specrt.errors import SpecrtError
     with pytest.raises(SpecrtError) as e:
         preset_model(".cache/models/none/missing.gguf")
@@ -373,8 +373,8 @@ print("tokens", len(g.generate([5, 6, 7], max_new_tokens=5).tokens))
 
 
 def test_the_build_uses_its_thread_setting_and_refuses_one_the_process_pool_cannot_honour(tiny_pair, tmp_path):
-    from specrt.build.config import BuildConfig
-    from specrt.build.pipeline import build
+    from specrt.builder.config import BuildConfig
+    from specrt.builder.pipeline import build
     from specrt.runtime.backends.ort_cpu import pool_threads
     configure_threads(2)
     cfg = BuildConfig(target=str(tiny_pair[0]), out=str(tmp_path / "e"), draft="none", max_context=96,
@@ -382,7 +382,7 @@ def test_the_build_uses_its_thread_setting_and_refuses_one_the_process_pool_cann
     assert "threads=2" in expect(ConfigError, build, cfg, progress=False)
     assert not (tmp_path / "e").exists() and pool_threads() == 2
     code = ("import sys; sys.path.insert(0, 'tests');"
-            "from specrt.build.config import BuildConfig; from specrt.build.pipeline import build;"
+            "from specrt.builder.config import BuildConfig; from specrt.builder.pipeline import build;"
             "from specrt.runtime.backends.ort_cpu import pool_threads;"
             f"build(BuildConfig(target={str(tiny_pair[0])!r}, out={str(tmp_path / 'f')!r}, draft='int8',"
             " max_context=96, prefill_chunk=16, k=3, threads=1), progress=False); print('pool', pool_threads())")

@@ -7,5 +7,5 @@ need none; TensorRT plans are built here:
 - `trt_build.py`: every planned engine built and written into manifest.json
   (`add_engines` during `specrt build --backend tensorrt`, `build_engines` on an existing folder).
 - `errors.py`: their typed errors.
-The build's orchestration (backend choice, manifest writer) is in specrt/build/.
+The build's orchestration (backend choice, manifest writer) is in specrt/builder/.
 """

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt import manifest as mf
-from specrt.build import qdq_engine
+from specrt.builder import qdq_engine
 from specrt.calibration import qdq, qdq_rules
 from specrt.errors import ConfigError, SpecrtError
 

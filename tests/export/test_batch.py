@@ -213,7 +213,7 @@ def quantized(exports, tmp_path_factory):
 
     from specrt.calibration.int8 import SPECS
     from specrt.calibration.quantize import QuantSpec, quantize_graphs
-    from specrt.build.config import PRECISIONS
+    from specrt.builder.config import PRECISIONS
     tmp = tmp_path_factory.mktemp("batchq")
     out = {}
     for att in ("gqa", "standard"):

@@ -116,7 +116,7 @@ def test_standard_and_portable_variants_are_untouched(llama, tmp_path, monkeypat
 
 def test_fusions_survive_int4_quantization(fused_and_unfused, tmp_path):
     from specrt.calibration import quantize
-    from specrt.build.config import PRECISIONS
+    from specrt.builder.config import PRECISIONS
     src, _, part, _ = fused_and_unfused
     q = quantize.quantize_graphs(src / "fused", part, tmp_path / "int4", ("decode", "verify"),
                                  quantize.QuantSpec(**PRECISIONS["int4"]))

@@ -168,7 +168,7 @@ def test_build_config_and_cli_accept_the_standard_variant():
     import subprocess
     import sys
 
-    from specrt.build.config import BuildConfig
+    from specrt.builder.config import BuildConfig
     assert BuildConfig(target="m", out="o", draft="none", attention="standard").attention == "standard"
     p = subprocess.run([sys.executable, "-m", "specrt.cli", "build", "--help"], capture_output=True, text=True,
                        timeout=120)

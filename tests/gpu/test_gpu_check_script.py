@@ -45,13 +45,13 @@ def _load_check():
 
 
 def test_the_python_checks_refuse_a_machine_where_cuda_sees_no_gpu(monkeypatch, tmp_path):
-    from specrt.build import backend
+    from specrt.builder import backend
     monkeypatch.setattr(backend, "probe", lambda: backend.Probe())
     assert _load_check().main(["--out", str(tmp_path), "--skip-default"]) == 2
 
 
 def test_with_a_pretend_gpu_the_cpu_comparisons_run_and_every_gpu_check_is_listed_not_run(monkeypatch, tmp_path):
-    from specrt.build import backend
+    from specrt.builder import backend
     monkeypatch.setattr(backend, "probe", lambda: backend.Probe(gpu="pretend GPU"))
     code = _load_check().main(["--out", str(tmp_path), "--skip-default"])
     rows = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -16,9 +16,9 @@ import pytest
 from test_tensorrt_builder import H200, fake_tensorrt
 
 from specrt import manifest as mf
-from specrt.build.config import GPU_DEFAULT_DRAFT, BuildConfig
-from specrt.build import backend as build_backend
-from specrt.build import gpu as gpu_build
+from specrt.builder.config import GPU_DEFAULT_DRAFT, BuildConfig
+from specrt.builder import backend as build_backend
+from specrt.builder import gpu as gpu_build
 from specrt.engines import tensorrt as trt_engines
 from specrt.engines import trt_build as trt_fields
 from specrt.engines.errors import BackendUnavailableError
@@ -31,7 +31,7 @@ SMALL = dict(max_context=96, prefill_chunk=16, k=3)
 
 
 def _build(out, target, **kw):
-    from specrt.build.pipeline import build
+    from specrt.builder.pipeline import build
     return build(BuildConfig(target=str(target), out=str(out), **{**SMALL, **kw}), progress=False)
 
 
@@ -102,7 +102,7 @@ def test_ort_cuda_cross_build_records_device_kv_dtypes_and_that_cuda_was_not_ver
 
 
 def test_ort_cuda_build_checks_fp16_against_fp32_with_the_stated_tolerance(cuda_build):
-    from specrt.build.gates import precision
+    from specrt.builder.gates import precision
     man = mf.load(cuda_build[0])
     for role, graphs in (("target", {"prefill", "decode", "verify"}), ("draft", {"prefill", "decode"})):
         par = man.models[role].parity
@@ -188,7 +188,7 @@ def test_tensorrt_build_writes_engine_fields_into_the_manifest_not_a_sidecar(trt
     assert parsed == [["target", "prefill.onnx"], ["target", "decode.onnx"], ["target", "verify.onnx"]]
     assert {rel for rel, _ in mf.artifact_files(man)} >= {f"target/{g}.plan" for g in man.target.graphs}
     mf.check_files(man, out, hashes=True)
-    from specrt.build import outdir
+    from specrt.builder import outdir
     assert outdir.foreign_entries(out) == []            # a rebuild into the same --out needs no --force
 
 
@@ -315,7 +315,7 @@ def test_an_attention_variant_the_backend_cannot_run_is_refused(backend, attenti
 ])
 def test_cli_build_backend_flag(monkeypatch, tmp_path, argv, want):
     from specrt import cli
-    from specrt.build import pipeline
+    from specrt.builder import pipeline
     seen = []
     monkeypatch.setattr(pipeline, "build", lambda cfg, **kw: seen.append(cfg) or cfg.out)
     assert cli.main(["build", "--target", "T", "--out", "OUT", *argv]) == 0
@@ -324,7 +324,7 @@ def test_cli_build_backend_flag(monkeypatch, tmp_path, argv, want):
 
 def test_cli_preset_with_a_gpu_backend_writes_beside_the_cpu_engines(monkeypatch):
     from specrt import cli
-    from specrt.build import pipeline
+    from specrt.builder import pipeline
     seen = []
     monkeypatch.setattr(pipeline, "build", lambda cfg, **kw: seen.append(cfg) or cfg.out)
     assert cli.main(["build", "--preset", "smollm2", "--target", "T", "--backend", "ort-cuda"]) == 0

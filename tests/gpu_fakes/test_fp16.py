@@ -8,7 +8,7 @@ import onnx
 import pytest
 from tiny_models import make_tiny_model_dir
 
-from specrt.build.gates import precision
+from specrt.builder.gates import precision
 from specrt.export import onnx_export, sources
 from specrt.manifest import Shapes
 

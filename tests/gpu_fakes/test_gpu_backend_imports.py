@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 BLOCKED = ("torch", "transformers", "tensorrt", "cuda")
-BUILD = ("specrt.export", "specrt.engines", "specrt.calibration", "specrt.build", "specrt.driver", "specrt.tools",
+BUILD = ("specrt.export", "specrt.engines", "specrt.calibration", "specrt.builder", "specrt.driver", "specrt.tools",
          "specrt.cli")
 
 

@@ -86,7 +86,7 @@ def test_the_runner_implements_the_model_runner_and_cache_protocols(built):
 
 
 def test_fp16_steps_match_the_ort_cpu_backend_on_fp32_graphs_and_pick_the_same_tokens(built):
-    from specrt.build.gates.precision import FP16_ATOL, FP16_RTOL
+    from specrt.builder.gates.precision import FP16_ATOL, FP16_RTOL
     m16, m32 = _model(built), OrtModel(built.root, built.target32, SHAPES)
     l16 = prefill(m16, SHAPES.prefill_chunk, PROMPT).copy()
     l32 = prefill(m32, SHAPES.prefill_chunk, PROMPT).copy()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specrt.engines.errors import BackendUnavailableError
-from specrt.build.backend import Probe, cuda_verifiable, probe, select_backend
+from specrt.builder.backend import Probe, cuda_verifiable, probe, select_backend
 
 CPU = Probe()
 GPU_ONLY = Probe(gpu="NVIDIA H200")

@@ -139,7 +139,7 @@ def test_shared_memory_is_refused_for_a_matmul_nbits_target_with_the_fix(tiny_in
 # --- the target's n-gram table (runtime/ngrams.py, calibration/ngrams.py) -------------------
 
 def test_the_table_keeps_the_most_frequent_next_token_and_guesses_the_longest_suffix(tmp_path):
-    from specrt.build.gates.ngrams import table_of
+    from specrt.builder.gates.ngrams import table_of
     from specrt.runtime import ngrams
     tables = table_of([[1, 2, 3, 1, 2, 4, 1, 2, 4], [9, 2, 5]], orders=2)
     assert tables[1][(2,)] == 4 and tables[2][(1, 2)] == 4 and tables[2][(9, 2)] == 5
@@ -201,7 +201,7 @@ def test_pair_rounds_take_the_tables_guess_when_lookup_has_none(int4_costed):
 def test_a_build_with_ngram_tokens_0_ships_no_table(tmp_path, tiny_pair):
     from conftest import build_tiny
 
-    from specrt.build.config import BuildConfig
+    from specrt.builder.config import BuildConfig
     from specrt.errors import SpecrtError
     out = build_tiny(tmp_path / "int4", tiny_pair[0], "none", precision="int4", block_size=16, ngram_tokens=0)
     assert "proposers" not in json.loads((out / "manifest.json").read_text())

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from specrt.build.config import BuildConfig
+from specrt.builder.config import BuildConfig
 from specrt.errors import ConfigError, ManifestError
 from specrt.manifest import load
 from specrt.runtime.backends.ort_batch import OrtBatchModel

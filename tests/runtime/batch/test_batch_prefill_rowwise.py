@@ -98,7 +98,7 @@ def test_the_prefill_graph_writes_the_cache_the_decode_graph_reads(engines, gen)
 
 
 def test_the_option_needs_batch_and_a_known_kind(tiny_pair, tmp_path):
-    from specrt.build.config import BuildConfig
+    from specrt.builder.config import BuildConfig
     target, _ = tiny_pair
     with pytest.raises(ConfigError, match="add --batch"):
         BuildConfig(target=str(target), out=str(tmp_path / "x"), batch_prefill="rowwise")
@@ -107,7 +107,7 @@ def test_the_option_needs_batch_and_a_known_kind(tiny_pair, tmp_path):
 
 
 def test_auto_is_rowwise_for_int4_only_and_same_keeps_one_graph(tiny_batch_same_engines):
-    from specrt.build.config import BuildConfig
+    from specrt.builder.config import BuildConfig
     graph = {(prec, batch, choice): BuildConfig(target="t", out="o", precision=prec, batch=batch,
                                                 batch_prefill=choice).batch_prefill_graph
              for prec in ("fp32", "int8", "int4") for batch in (False, True) for choice in ("auto", "same")}

@@ -98,7 +98,7 @@ def test_a_seeded_sample_is_the_same_alone_and_in_a_speculating_batch(speculatin
 
 
 def test_batch_attention_needs_batch_and_a_known_kind(tiny_pair, tmp_path):
-    from specrt.build.config import BuildConfig
+    from specrt.builder.config import BuildConfig
     from specrt.errors import ConfigError
     target, _ = tiny_pair
     with pytest.raises(ConfigError, match="add --batch"):

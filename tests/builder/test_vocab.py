@@ -14,8 +14,8 @@ from conftest import _once, build_tiny
 from runtime.test_sampling_exact import N, PROMPT, exact_of, fit_of, sample_prefixes, tree_of
 from tiny_models import BOS_ID, EOS_ID, IM_START_ID
 
-from specrt.build.gates import vocab
-from specrt.build.config import BuildConfig
+from specrt.builder.gates import vocab
+from specrt.builder.config import BuildConfig
 from specrt.errors import ConfigError
 from specrt.driver import GraphSet
 from specrt.manifest import Shapes

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from specrt import manifest as mf
-from specrt.build import qdq_engine
-from specrt.build.gates import identity
+from specrt.builder import qdq_engine
+from specrt.builder.gates import identity
 from specrt.calibration import qdq
 from specrt.errors import BuildOutputError, ConfigError, GraphFileError, ParityError
 from specrt.runtime import SpeculativeGenerator

@@ -18,7 +18,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from specrt.build.config import BACKENDS, BuildConfig
+from specrt.builder.config import BACKENDS, BuildConfig
 from specrt.engines.errors import BackendUnavailableError
 
 log = logging.getLogger(__name__)

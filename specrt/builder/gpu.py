@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from specrt import manifest as mf
-from specrt.build import steps
-from specrt.build.config import BuildConfig
+from specrt.builder import steps
+from specrt.builder.config import BuildConfig
 
 log = logging.getLogger(__name__)
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -36,8 +36,8 @@ GREEDY_TOKENS = 32       # greedy tokens compared fp16 vs fp32 (fewer when max_c
 def build_gpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict) -> Path:
     from tqdm.auto import tqdm
 
-    from specrt.build import manifest_writer
-    from specrt.build.gates import measure
+    from specrt.builder import manifest_writer
+    from specrt.builder.gates import measure
     from specrt.export import sources
     from specrt.runtime.tokenizer import Tokenizer
 
@@ -98,7 +98,7 @@ def _fp16_model(cfg: BuildConfig, lm, reference, tmp: Path, role: str, graphs: t
                 providers, step, layers: int | None = None) -> dict:
     """One model's fp16 graphs in the backend's variant, with parity: the fp32 export of the
     same variant against torch, and the fp16 graphs against that fp32 export."""
-    from specrt.build.gates import precision
+    from specrt.builder.gates import precision
     from specrt.export import onnx_export, parity
     spec, shapes = cfg.spec, cfg.shapes
     kw = dict(graphs=graphs, layers=layers, attention=cfg.attention, static_total=spec.static_total)
@@ -127,7 +127,7 @@ def _identity(model_dir: Path, part: dict, shapes: mf.Shapes, prompts, k: int) -
     """Decode vs verify rows of the fp16 target on ONNX Runtime CPU, recorded, not a gate:
     GPU kernels round differently, so plain and speculative greedy output must be compared
     again on the GPU (a CPU near-tie says nothing about the GPU's)."""
-    from specrt.build.gates import identity
+    from specrt.builder.gates import identity
     r = identity.decode_verify_agreement(model_dir, part, shapes, prompts)
     r["plain_decoding"] = f"the decode graph (T=1); speculation verifies with the verify graph (T={k + 1})"
     r["guarantee"] = "measured on ONNX Runtime CPU only; not a guarantee for the GPU kernels"

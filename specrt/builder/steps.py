@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from specrt import manifest as mf
-from specrt.build.config import BuildConfig
+from specrt.builder.config import BuildConfig
 from specrt.driver import encode_prompts
 from specrt.errors import SpecrtError, TokenizerMismatchError
 from specrt.prompts import PROMPTS

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from specrt.build import steps
-from specrt.build.config import BuildConfig
+from specrt.builder import steps
+from specrt.builder.config import BuildConfig
 
 log = logging.getLogger(__name__)
 # an INT8 copy that disagrees with its own fp32 source this often is broken, not just weak
@@ -28,8 +28,8 @@ MIN_INT8_AGREEMENT = 0.5
 def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: dict) -> Path:
     from tqdm.auto import tqdm
 
-    from specrt.build import manifest_writer
-    from specrt.build.gates import measure
+    from specrt.builder import manifest_writer
+    from specrt.builder.gates import measure
     from specrt.calibration import int8
     from specrt.export import onnx_export, parity, sources
     from specrt.runtime.tokenizer import Tokenizer
@@ -70,7 +70,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     parts = {"target": part}
     step("target parity checked")
     if cfg.batch:     # the target with a batch dimension, for `specrt serve --max-num-seqs`
-        from specrt.build.gates import batch
+        from specrt.builder.gates import batch
         bar.set_postfix_str("exporting the batched target")
         parts["batch"] = batch.export(cfg, tgt, tmp, part, prompts)
         inv = parts["batch"]["parity"]["batch_invariance"]
@@ -82,7 +82,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         method = "blockwise" if kind == "int8" else "dynamic"
         trim, prepare = None, None
         if cfg.draft_vocab is not None:   # the LM head cut to N columns before quantization
-            from specrt.build.gates import vocab
+            from specrt.builder.gates import vocab
             bar.set_postfix_str("choosing the draft's vocabulary")
             ids, trim = _draft_vocab(cfg, tgt, tok, fp32_dir, fp32, tok_info)
             prepare = {"decode": lambda m: vocab.trim_lm_head(m, ids)}
@@ -140,7 +140,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         parts["draft"] = d
     proposers = {}
     if cfg.ngram_tokens and part["graphs"]["decode"]["tokens"] > 1:   # pair rounds: guesses where lookup has none
-        from specrt.build.gates import ngrams
+        from specrt.builder.gates import ngrams
         bar.set_postfix_str(f"n-gram table: generating {cfg.ngram_tokens} tokens")
         proposers["ngrams"] = ngrams.build(tok, tmp / "target", part, shapes, tmp / "ngrams.json", cfg.ngram_tokens,
                                            set(tok_info["eos_token_ids"]))
@@ -152,7 +152,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         bar.set_postfix_str("timing the graphs")
         build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
         if cfg.batch:     # what each batched step costs per rows x T: speculation chosen per step
-            from specrt.build.gates import batch
+            from specrt.builder.gates import batch
             build_info["speculation"]["batch_costs_ms"] = batch.costs(tmp, parts["batch"], shapes)
     build_info["seconds"] = round(time.perf_counter() - t_start, 1)
     manifest_writer.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
@@ -164,7 +164,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
 
 def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_info: dict):
     """(kept ids, manifest record) for --draft-vocab N (build/gates/vocab.py)."""
-    from specrt.build.gates import vocab
+    from specrt.builder.gates import vocab
     from specrt.errors import ConfigError
     v = int(fp32["dims"]["vocab"])
     if cfg.draft_vocab >= v:
@@ -178,7 +178,7 @@ def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_inf
 def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
     """Each built graph's step cost, and the predicted speedup of every k (build/gates/plan.py):
     what adaptive k starts from at run time."""
-    from specrt.build.gates import plan
+    from specrt.builder.gates import plan
     d = parts.get("draft")
     costs = plan.step_costs(tmp / "target", parts["target"], tmp / "draft" if d else None, d, shapes)
     agreement = ((d or {}).get("parity") or {}).get("agreement_with_target", {}).get("top1_agreement")
@@ -197,7 +197,7 @@ def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir
     decode graph is exported for 2 rows (build/gates/rows.py): a plain step pads one row, so
     plain decoding runs the verify pass's kernels and rounds exactly as it does, and a pair
     round verifies one guessed token in that row at no extra cost (runtime/loop.py)."""
-    from specrt.build.gates import identity, rows
+    from specrt.builder.gates import identity, rows
     from specrt.calibration import quantize
     from specrt.export import onnx_export
     spec = quantize.QuantSpec(**cfg.target_quantization)
@@ -226,7 +226,7 @@ def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir
 def _check_identity(cfg: BuildConfig, model_dir: Path, part: dict, prompts) -> dict:
     """Greedy speculation reproduces plain decoding only if the verify graph's rows pick
     the tokens the one-token graph picks: refuse a target whose graphs disagree."""
-    from specrt.build.gates import identity
+    from specrt.builder.gates import identity
     from specrt.errors import ParityError
     r = identity.decode_verify_agreement(model_dir, part, cfg.shapes, prompts)
     q = cfg.target_quantization

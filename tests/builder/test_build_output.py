@@ -11,7 +11,7 @@ import pytest
 from bad_input_helpers import copy_engines, expect
 from conftest import build_tiny as _build_tiny
 
-from specrt.build import outdir
+from specrt.builder import outdir
 from specrt.errors import BuildOutputError
 from specrt.runtime import SpeculativeGenerator
 
@@ -20,8 +20,8 @@ def build_tiny(out, target, draft, force=False):
     """conftest.build_tiny, with build's force flag."""
     if not force:
         return _build_tiny(out, target, draft)
-    from specrt.build.config import BuildConfig
-    from specrt.build.pipeline import build
+    from specrt.builder.config import BuildConfig
+    from specrt.builder.pipeline import build
     return build(BuildConfig(target=str(target), out=str(out), draft=draft, max_context=96, prefill_chunk=16, k=3),
                  progress=False, force=True)
 
@@ -187,9 +187,9 @@ def test_a_failed_final_move_keeps_the_previous_build_and_the_partial_folder_is_
 
 SLOW_BUILD = """
 import sys, time
-from specrt.build.config import BuildConfig
+from specrt.builder.config import BuildConfig
 from specrt.export import sources
-from specrt.build.pipeline import build
+from specrt.builder.pipeline import build
 
 def slow(*a, **k):
     print("building", flush=True)

@@ -207,7 +207,7 @@ class BuildConfig:
         b = backend or self.backend
         if b == "auto":
             raise ConfigError("backend 'auto' must be resolved against the machine first "
-                              "(specrt.build.backend.resolve)")
+                              "(specrt.builder.backend.resolve)")
         if b not in BACKEND_SPECS:
             raise ConfigError(f"backend={b!r}; choose one of {', '.join(BACKENDS)}")
         spec = BACKEND_SPECS[b]

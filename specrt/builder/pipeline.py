@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specrt.build import backend, outdir
-from specrt.build.config import BuildConfig
+from specrt.builder import backend, outdir
+from specrt.builder.config import BuildConfig
 
 
 def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Path:
@@ -27,10 +27,10 @@ def build(cfg: BuildConfig, *, progress: bool = True, force: bool = False) -> Pa
     tmp = outdir.make_partial(out)
     try:
         if cfg.backend == "ort-cpu":
-            from specrt.build.cpu import build_cpu
+            from specrt.builder.cpu import build_cpu
             build_cpu(cfg, out, tmp, progress, choice)
         else:
-            from specrt.build.gpu import build_gpu
+            from specrt.builder.gpu import build_gpu
             build_gpu(cfg, out, tmp, progress, choice)
         outdir.commit(tmp, out)
     except OSError as e:           # ENOSPC: say that the disk is full and what the build needs

@@ -84,7 +84,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
 
 
 def _model(tmp: Path, part: dict, shapes, rows: int):
-    from specrt.build.manifest_writer import model_entry
+    from specrt.builder.manifest_writer import model_entry
     from specrt.runtime.backends.ort_batch import OrtBatchModel
     return OrtBatchModel(tmp, model_entry("batch", part, "batch"), shapes, rows=rows, threads=2)
 
@@ -243,7 +243,7 @@ def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, r
     """Median ms of one batched step per (T, rows) at `context` tokens of cache, timed
     interleaved: T = 1, 2 and k+1; rows 1, 2, 4, 8 (several tokens in several rows only where
     the kernels run them). runtime/batch/policy.BatchCosts reads it."""
-    from specrt.build.gates.plan import interleaved_ms
+    from specrt.builder.gates.plan import interleaved_ms
     model = _model(tmp, part, shapes, rows)
     context = min(context, shapes.max_context - shapes.k - 1)
     ns = [n for n in (1, 2, 4, 8, 16) if n <= rows]

@@ -97,7 +97,7 @@ def test_build_refuses_a_target_whose_verify_graph_picks_other_tokens(tmp_path, 
 
 
 def test_config_refuses_unknown_precision_and_bad_block_size():
-    from specrt.build.config import BuildConfig
+    from specrt.builder.config import BuildConfig
     from specrt.errors import SpecrtError
     with pytest.raises(SpecrtError, match="precision"):
         BuildConfig(target="x", out="y", draft="none", precision="int3")
@@ -115,7 +115,7 @@ def test_one_token_interface_keeps_row_zero_of_a_two_row_graph(tmp_path, tiny_pa
     import onnx
     import onnxruntime as ort
 
-    from specrt.build.gates.rows import one_token_interface
+    from specrt.builder.gates.rows import one_token_interface
     from specrt.export import onnx_export, sources
     from specrt.runtime.backends.ort_cpu import session_options
 

@@ -42,8 +42,8 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
     """Calibrate, quantize, check and measure the target of the fp32 folder `engines`;
     write the engine folder `out` (replacing a previous specrt folder there; another
     folder only with force=True). Returns its manifest."""
-    from specrt.build import manifest_writer, outdir
-    from specrt.build.steps import GATE_PROMPTS
+    from specrt.builder import manifest_writer, outdir
+    from specrt.builder.steps import GATE_PROMPTS
     from specrt.calibration.quantize import quiet_logging
     from specrt.driver import GraphSet
     from specrt.export import weights as wpack
@@ -117,7 +117,7 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
         build = {"command": "specrt qdq", "config": {**asdict(spec), "source_engines": str(engines)},
                  "timing": timing}
         if (man.build or {}).get("speculation") and "draft" in parts:   # adaptive k starts from these costs
-            from specrt.build.gates import plan
+            from specrt.builder.gates import plan
             d = parts["draft"]
             costs = plan.step_costs(qdir, part, tmp / d["subdir"], d, shapes)
             build["speculation"] = plan.plan(costs, d["parity"]["agreement_with_target"]["top1_agreement"], shapes.k)
@@ -195,7 +195,7 @@ def decode_graph(verify: onnx.ModelProto, rows: int) -> onnx.ModelProto:
     0 flips and every row bit for bit, at ~1.1x the T=1 step (82 vs 90 ms, verify 100 ms)."""
     from onnx import helper
 
-    from specrt.build.gates.rows import one_token_interface
+    from specrt.builder.gates.rows import one_token_interface
     copy = onnx.ModelProto()
     copy.CopyFrom(verify)
     g = copy.graph
@@ -216,7 +216,7 @@ def check_identity(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list
     """The build's greedy-identity check (build/cpu.py _check_identity) on the Q/DQ target: every
     verify row must pick the decode row's token, or greedy speculation would not reproduce
     plain decoding. Refuses with a ParityError otherwise."""
-    from specrt.build.gates import identity
+    from specrt.builder.gates import identity
     r = identity.decode_verify_agreement(model_dir, part, shapes, prompts)
     r["plain_decoding"] = (f"the decode graph: the verify graph's T={shapes.k + 1} kernels behind a one-token "
                            f"interface; speculation verifies with the verify graph (T={shapes.k + 1})")
@@ -247,7 +247,7 @@ def copy_tokenizer(man: mf.Manifest, engines: Path, out: Path) -> dict:
 def copy_draft(man: mf.Manifest, engines: Path, out: Path, target: dict, prompts: list[list[int]]) -> dict:
     """The source's draft files copied into `out` under the same names, as a manifest part;
     its agreement with the Q/DQ target is measured again (what acceptance now follows)."""
-    from specrt.build.gates import measure
+    from specrt.builder.gates import measure
     d = man.draft
     sub = Path(d.weights["file"]).parent
     files = [d.weights["file"], *(g.file for g in d.graphs.values())]
