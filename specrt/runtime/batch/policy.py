@@ -43,7 +43,8 @@ class StepChoice:
 
 class BatchCosts:
     """Step costs (ms) measured at some row counts; other counts interpolate linearly between
-    the nearest measured ones (and extrapolate from the last two beyond them).
+    the nearest measured ones (and extrapolate from the last two beyond them); a table of one
+    count scales in proportion to the rows (cost(n) = cost(m) * n / m).
 
     target: {T: {n: ms}} for the target's passes; draft: {n: ms} for one draft step."""
 
