@@ -4,7 +4,7 @@
 
 MODEL defaults to the default SmolLM2 GGUF (`make model`). For each attention variant
 (gqa, standard) it exports fp32 and fp16 graphs, checks the fp32 standard graphs against
-transformers (export.parity), and compares fp16 with fp32 (build/gates/precision.py: logit
+transformers (export.parity), and compares fp16 with fp32 (builder/gates/precision.py: logit
 delta against FP16_ATOL + FP16_RTOL * max|logit|, greedy agreement, first divergence and
 its fp32 top-2 margin). Prints one JSON report. CPU only; GPU kernels are compared by
 scripts/gpu_check.sh.

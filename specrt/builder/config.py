@@ -22,7 +22,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
 # the target's precision -> how its weights are quantized (calibration.quantize.QuantSpec).
 # Chosen by measurement on SmolLM2-135M, 2 cores (docs/precision.md): int8 compute
 # (accuracy_level 4) with a decode graph that runs the multi-row kernels, so plain and
-# speculative decoding agree bit for bit (build/gates/rows.py); fp32 compute (1) makes
+# speculative decoding agree bit for bit (builder/gates/rows.py); fp32 compute (1) makes
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
 # more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
 BATCH_PREFILL = ("auto", "same", "rowwise")     # BuildConfig.batch_prefill
@@ -85,18 +85,18 @@ class BuildConfig:
     accuracy_level: int | None = None    # int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: PRECISIONS)
     quantize_lm_head: bool | None = None  # int8/int4: quantize the LM head too (default: PRECISIONS)
     backend: str = "ort-cpu"   # "ort-cpu" | "ort-cuda" | "tensorrt" | "auto" (BACKENDS; docs/gpu.md)
-    # time each graph once built and record the speculation plan (build/gates/plan.py), which
+    # time each graph once built and record the speculation plan (builder/gates/plan.py), which
     # turns on adaptive k at run time; False: a manifest without timings (reproducible bytes)
     measure_costs: bool = True
     # int8 / int8-dynamic drafts: score only this many tokens in the draft's LM head
-    # (build/gates/vocab.py); None = the full head. The default, by measurement on SmolLM2
+    # (builder/gates/vocab.py); None = the full head. The default, by measurement on SmolLM2
     # (8 prompts x 128 tokens, 2 cores, k=4): N=16384 / 32768 cover 94.3% / 98.0% of
     # held-out target tokens but cut acceptance 91% -> 76% / 82% and tokens per verify pass
     # 4.61 -> 4.01 / 4.27, while the draft step did not measurably shrink (22-24 ms each):
     # speculative x1.95 over plain with the full head, x1.44 / x1.42 trimmed
     draft_vocab: int | None = None
     # targets with a two-row decode graph (int8/int4): generate this many tokens of the target's
-    # own greedy text on the calibration prompts and ship its n-gram table (build/gates/ngrams.py),
+    # own greedy text on the calibration prompts and ship its n-gram table (builder/gates/ngrams.py),
     # the pair rounds' guesses where prompt lookup has none; 0 = no table
     ngram_tokens: int = 8192
     # also export the target with a batch dimension (export/batch.py: one graph, [rows, T] ids,

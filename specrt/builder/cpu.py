@@ -1,5 +1,5 @@
 """The ONNX Runtime CPU build (`--backend ort-cpu`, the default), into the partial folder
-build/pipeline.py gives it:
+builder/pipeline.py gives it:
 
     target: load ─ fp32 export ─ parity vs torch ─ [int8/int4: quantize, agreement with fp32]
             ─ decode vs verify identity (refused when greedy speculation would differ)
@@ -8,7 +8,7 @@ build/pipeline.py gives it:
     [two-row decode graph: the n-gram table]  [measure_costs: the speculation plan]
     ─ manifest.json (manifest_writer.py)
 
-The GPU backends' builds are in build/gpu.py; what both share is in build/steps.py.
+The GPU backends' builds are in builder/gpu.py; what both share is in builder/steps.py.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
 
 
 def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_info: dict):
-    """(kept ids, manifest record) for --draft-vocab N (build/gates/vocab.py)."""
+    """(kept ids, manifest record) for --draft-vocab N (builder/gates/vocab.py)."""
     from specrt.builder.gates import vocab
     from specrt.errors import ConfigError
     v = int(fp32["dims"]["vocab"])
@@ -176,7 +176,7 @@ def _draft_vocab(cfg: BuildConfig, tgt, tok, fp32_dir: Path, fp32: dict, tok_inf
 
 
 def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
-    """Each built graph's step cost, and the predicted speedup of every k (build/gates/plan.py):
+    """Each built graph's step cost, and the predicted speedup of every k (builder/gates/plan.py):
     what adaptive k starts from at run time."""
     from specrt.builder.gates import plan
     d = parts.get("draft")
@@ -194,7 +194,7 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
 def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:
     """The target's prefill/decode/verify graphs quantized as cfg.precision says, with
     their agreement with the fp32 export measured on real prompts. With int8 compute the
-    decode graph is exported for 2 rows (build/gates/rows.py): a plain step pads one row, so
+    decode graph is exported for 2 rows (builder/gates/rows.py): a plain step pads one row, so
     plain decoding runs the verify pass's kernels and rounds exactly as it does, and a pair
     round verifies one guessed token in that row at no extra cost (runtime/loop.py)."""
     from specrt.builder.gates import identity, rows

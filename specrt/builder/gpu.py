@@ -1,5 +1,5 @@
 """`specrt build --backend ort-cuda | tensorrt`: the GPU builds (the backend is resolved and
-every GPU refusal made before, in build/backend.py).
+every GPU refusal made before, in builder/backend.py).
 
     build_gpu      per model (target; a truncate:N or separate draft):
                      fp32 export (the backend's variant) ─ parity vs torch

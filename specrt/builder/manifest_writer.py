@@ -43,7 +43,7 @@ def assemble_manifest(shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict
                       device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
     """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}.
     device: the build's target device (default: this CPU). proposers: files shipped for the
-    runtime's proposals (e.g. {"ngrams": {...}}, build/gates/ngrams.py)."""
+    runtime's proposals (e.g. {"ngrams": {...}}, builder/gates/ngrams.py)."""
     models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
     return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or mf.this_device(),
                        tools=tool_versions(), build=build, proposers=proposers or None)

@@ -186,7 +186,7 @@ def _refuse_overlap(engines: Path, path: Path, out) -> None:
 
 def decode_graph(verify: onnx.ModelProto, rows: int) -> onnx.ModelProto:
     """The decode graph of a Q/DQ target: a copy of the quantized verify graph (T=k+1) behind
-    a one-token interface (build/gates/rows.py: k padding rows, row 0 kept).
+    a one-token interface (builder/gates/rows.py: k padding rows, row 0 kept).
 
     A Q/DQ graph exported for T=1 or T=2 rounds some rows differently from the T=k+1 graph
     (ONNX Runtime CPU picks other kernels for other row counts; a float difference of ~1e-5
@@ -213,7 +213,7 @@ def decode_graph(verify: onnx.ModelProto, rows: int) -> onnx.ModelProto:
 
 
 def check_identity(model_dir: Path, part: dict, shapes: mf.Shapes, prompts: list[list[int]]) -> dict:
-    """The build's greedy-identity check (build/cpu.py _check_identity) on the Q/DQ target: every
+    """The build's greedy-identity check (builder/cpu.py _check_identity) on the Q/DQ target: every
     verify row must pick the decode row's token, or greedy speculation would not reproduce
     plain decoding. Refuses with a ParityError otherwise."""
     from specrt.builder.gates import identity

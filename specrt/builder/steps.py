@@ -1,4 +1,4 @@
-"""The steps the CPU and GPU builds share (build/cpu.py, build/gpu.py): refusals before the
+"""The steps the CPU and GPU builds share (builder/cpu.py, builder/gpu.py): refusals before the
 long work, the tokenizer and the prompts every gate measures on, the KV record of a model,
 the truncated-draft reference.
 

@@ -22,7 +22,7 @@ logit_pos: a prefill chunk needs the logits of its last position only, and the L
 (V x C) is ~20% of a chunk's cost; decode and verify windows bind all T positions. The
 positions are gathered after the final norm (which stays fused with the last residual Add),
 so the LM head runs over B*P rows. Every row's logits are computed by the same kernels as
-before; callers keep the LM head's rows >= the manifest's min_rows (build/gates/rows.py).
+before; callers keep the LM head's rows >= the manifest's min_rows (builder/gates/rows.py).
 
 Per variant, what carries the rows' lengths:
 - "gqa": GroupQueryAttention's seqlens_k [B] int32 = past_len + T - 1 (row b's total length

@@ -94,7 +94,7 @@ def fuses(module: StaticDecoder) -> bool:
 def export_graph(module: StaticDecoder, path: Path) -> dict:
     """Export one graph to `path` (+ `path`.data). Returns its fusions (export/fuse.py), empty
     where the variant is not fused. Every caller (export_model, the int8-compute decode graph
-    of build/gates/rows.py) gets the same graph for the same module."""
+    of builder/gates/rows.py) gets the same graph for the same module."""
     d, T = module.dims, module.T
     args = module.example_inputs()
     inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE,

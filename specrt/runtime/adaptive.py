@@ -29,7 +29,7 @@ plain decoding's (a_lookup estimated apart from the draft's). This is what makes
 speculation pay on a target too fast for any model draft (an int4 target on a CPU).
 
 Pair rounds (a target whose decode graph runs two rows, as a quantized target's does, see
-build/gates/rows.py): a plain step already pays for a second row, so one guessed token
+builder/gates/rows.py): a plain step already pays for a second row, so one guessed token
 (prompt lookup's first, or its 1-gram match) rides in it for free:
 
     rate(pair) = (1 + a_pair) / t_decode  >=  rate(0)

@@ -1,6 +1,6 @@
 """The target's own n-grams: a table of "after these n tokens the target wrote this one",
 built at build time from the target's greedy continuations of the calibration prompts
-(build/gates/ngrams.py) and shipped in the engine folder (`ngrams.json`, manifest
+(builder/gates/ngrams.py) and shipped in the engine folder (`ngrams.json`, manifest
 `proposers.ngrams`).
 
 A pair round (runtime/loop.py) verifies one guessed token for the price of a plain step,

@@ -12,7 +12,7 @@ The kinds of round (RoundKind), all the same skeleton (runtime/loop.py):
     DRAFT   a draft model's k tokens, verified by the verify graph (T = k_max + 1)
     LOOKUP  a free guess of k tokens (prompt lookup), verified by the verify graph
     PAIR    one guessed token in the second row of a two-row decode graph (a quantized
-            target's, build/gates/rows.py): a verify pass for the price of a plain step
+            target's, builder/gates/rows.py): a verify pass for the price of a plain step
 
 Allocation: `Workspace` holds every target-side buffer, made once for (k_max, vocab).
 """

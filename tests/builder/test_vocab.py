@@ -1,4 +1,4 @@
-"""The vocabulary-trimmed draft LM head (build/gates/vocab.py, `--draft-vocab N`): the
+"""The vocabulary-trimmed draft LM head (builder/gates/vocab.py, `--draft-vocab N`): the
 draft scores only the kept ids, and speculation stays lossless: greedy output equals plain
 decoding, and sampled tokens follow the target's distribution, tokens the draft cannot
 propose included (they come from the target's residual)."""

@@ -88,7 +88,7 @@ def test_other_families_fuse_and_stay_within_tolerance(tmp_path, family, kw):
 
 def test_the_int8_compute_decode_graph_is_fused_like_the_others(llama, tmp_path):
     """The quantized target's decode graph is exported for T=2 by export_graph directly
-    (build/gates/rows.py): it must be fused as the verify graph is, or the two paths round
+    (builder/gates/rows.py): it must be fused as the verify graph is, or the two paths round
     differently."""
     _, lm = llama
     found = onnx_export.export_graph(onnx_export.build_module(lm, 2, SHAPES.kv_capacity, attention="gqa"),

@@ -92,7 +92,7 @@ class OrtBatchModel:
         self.graph_tokens.update({a: self.graph_tokens[s] for a, s in alias.items()})
 
         # kernels whose one-row path rounds differently from their multi-row path (MatMulNBits with int8
-        # compute) must never see a one-row call: the manifest says so (build/gates/rows.py)
+        # compute) must never see a one-row call: the manifest says so (builder/gates/rows.py)
         self.min_rows = int(min_rows if min_rows is not None else entry.io.get("min_rows", 1))
         self.in_place = entry.in_place
         self.io = entry.io

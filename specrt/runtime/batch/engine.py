@@ -57,7 +57,7 @@ class BatchEngine:
         """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
-        (manifest parity window_invariance, build/gates/batch.py)."""
+        (manifest parity window_invariance, builder/gates/batch.py)."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
