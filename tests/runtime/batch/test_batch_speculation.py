@@ -4,15 +4,21 @@ position's logits do not depend on the window they are computed in (standard: tw
 steps vs 3- and 4-token windows; rows: from one-token steps; all rows in one call) and
 measure every (T, rows) step. The engine then picks plain, pair or lookup rounds per step
 by cost, and every request still gets exactly the tokens it gets alone without speculation.
+A draft equal to the target (on the toy model, fake_batch.py) has every proposal accepted.
 """
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from fake_batch import FakeLM
 
+from specrt.runtime.batch.choice import choose
+from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.generator import open_batch
-from specrt.runtime.batch.policy import BatchCosts
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
+from specrt.runtime.batch.request import Delta, Done, Request
 from specrt.runtime.rounds import RoundKind
 from specrt.runtime.sampling import SamplingParams
 
@@ -119,8 +125,6 @@ def test_device_buckets_refuse_a_rows_graph_naming_the_fix(tiny_batch_rows_engin
 def test_a_rows_call_reads_the_cache_up_to_its_longest_row_in_blocks(tiny_batch_rows_engines):
     """kv_pos is bound to 0..L-1 with L = the longest row's length after the call, rounded up to
     KV_BLOCK and capped at the capacity; the row's logits do not depend on L (export tests)."""
-    import numpy as np
-
     from specrt.manifest import load
     from specrt.runtime.backends.ort_batch import KV_BLOCK, OrtBatchModel
     man = load(tiny_batch_rows_engines)
@@ -152,3 +156,69 @@ def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone
         assert got == alone
         assert g.engine.target.max_kv_len > KV_BLOCK      # the long row crossed a block
         assert g.engine.stats.choices[RoundKind.PAIR.value] + g.engine.stats.choices[RoundKind.LOOKUP.value] > 0
+
+
+def test_a_draft_equal_to_the_target_has_every_proposal_accepted_in_a_batch():
+    """The toy model (fake_batch.py) as its own shared-cache draft, greedy and seeded sampled
+    rows joining at different steps: the draft's j-th token is chosen at the row's position + j
+    from the prefix the target will verify, so it IS the target's choice there (same logits,
+    same u(seed, position): choice.py), and every proposed token is accepted: accepted ==
+    drafted for every request, exactly. (A round that would pass the budget proposes fewer
+    tokens, room = what is left: it is shortened, never rejected.) A draft that reads its
+    prompt one slot off, chooses for the wrong position or drafts from the wrong token
+    proposes what the target does not choose, and the share falls."""
+    V, EOS, K, ROWS, CAP = 16, 15, 3, 3, 96
+    target = FakeLM(V, ROWS, CAP)
+    draft = FakeLM(V, ROWS, CAP, cache=target.cache, graph_tokens={"decode": 0})   # same salt: the same model
+    # a draft step far cheaper than a verify pass: every step with room drafts
+    costs = BatchCosts({T: {1: 10.0, 8: 10.0} for T in (1, 2, 4)}, draft={1: 0.5, 8: 0.5})
+    eng = BatchEngine(target, max_num_seqs=ROWS, max_context=CAP - 8, prefill_tokens=8, k_max=K, vocab=V,
+                      policy=BatchPolicy(costs, K, draft=True), eos={EOS}, draft=draft)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 4], [2] * 9, list(range(14)), [7, 7, 1, 7],
+               [9, 1] * 6, [3, 4, 5], [11, 12]]
+    sampled = SamplingParams(temperature=1.0, top_k=8)
+    requests = []
+
+    def submit(i):
+        out = {"tokens": [], "done": None}
+
+        def sink(ev):
+            if isinstance(ev, Delta):
+                out["tokens"] += ev.tokens
+            elif isinstance(ev, Done):
+                out["done"] = ev
+            else:
+                raise AssertionError(ev)
+        params = SamplingParams() if i % 2 else sampled
+        # ignore_eos: each runs to its budget, so the rounds a row shares are many
+        eng.add(Request(list(prompts[i]), 16 + 3 * i, params, seed=100 + i, sink=sink, ignore_eos=True))
+        requests.append((prompts[i], 16 + 3 * i, params, 100 + i, out))
+
+    for i in range(2):
+        submit(i)
+    for i in range(2, len(prompts)):            # the rest join one by one, a few steps apart
+        for _ in range(2):
+            eng.step()
+        submit(i)
+    for _ in range(5000):
+        if not eng.step() and eng.idle():
+            break
+    assert eng.idle()
+
+    scratch = np.zeros(V, np.float32)
+    for prompt, n, params, seed, out in requests:
+        seq, want = list(prompt), []            # the request alone: one target choice per position
+        for _ in range(n):
+            want.append(choose(target.logits(seq), params, seed, len(seq), scratch))
+            seq.append(want[-1])
+        m = out["done"].metrics
+        assert m.accepted == m.drafted, (prompt, params, m.accepted, m.drafted)
+        assert out["tokens"] == want, (prompt, params)
+    metrics = [out["done"].metrics for *_, out in requests]
+    assert all(m.drafted > 0 for m in metrics)
+    assert any(m.drafted < K * m.iterations for m in metrics)     # some rounds were shortened by the budget
+    drafted = sum(out["done"].metrics.drafted for *_, out in requests)
+    emitted = sum(len(out["tokens"]) for *_, out in requests)
+    assert eng.stats.choices[RoundKind.DRAFT.value] > 0.5 * eng.stats.steps, eng.stats.choices
+    assert drafted > 0.5 * emitted, (drafted, emitted)      # most tokens came from the draft
+    assert eng.stats.occupancy > 1.5, eng.stats             # rows shared the draft rounds
