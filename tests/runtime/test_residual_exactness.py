@@ -1,0 +1,143 @@
+"""A proposal without a distribution (prompt lookup, a pair round's guess, the n-gram table:
+q is a point mass on the guessed token) keeps sampled output exactly the target's, at the
+first position of a round and at a later one after an accepted guess, through both accept
+rules: the one-request rule (rounds.accept -> sampling.verify_sampled: keep x with
+probability p(x), else draw from the residual norm(max(0, p - onehot(x))) = p without x)
+and the batched one (batch/choice.first_mismatch: the target's own choice at a position-keyed
+uniform, the guess kept when it equals it).
+
+The guesser is often wrong on purpose: it always guesses the target's second most likely
+token (accepted about a quarter of the time), so most rounds end in a rejection. A rule that
+leaves the rejected guess in what it draws from emits the guess with probability
+p + (1 - p) p instead of p: about 0.2 too often here, which the chi-square test and the
+total-variation bound (tests/goodness_of_fit.py) see at p-values far below 1e-6. Every
+draw is seeded: each statistic here is a fixed number.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
+
+from specrt.runtime import sampling as sampling_mod
+from specrt.runtime.batch import choice as choice_mod
+from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.rounds import Workspace, accept
+from specrt.runtime.sampling import SamplingParams
+
+V = 6
+K = 2                   # two guesses a round: the second is verified only after the first was kept
+START = 0
+PARAMS = SamplingParams(temperature=0.9, top_k=5)     # one token of each row cut: a warp the rule must see
+N = 10_000
+
+
+def target_probs(logits: np.ndarray) -> np.ndarray:
+    """[V] float64: softmax(logits / T), the top_k most likely kept, renormalised (written out
+    from the definitions, no code shared with specrt)."""
+    z = logits.astype(np.float64) / PARAMS.temperature
+    p = np.exp(z - z.max())
+    p[np.argsort(-p, kind="stable")[PARAMS.top_k:]] = 0.0
+    return p / p.sum()
+
+
+@pytest.fixture(scope="module")
+def chain():
+    """(logits [V, V]: row a is the target's after token a, p [V, V] float64, guess [V]: the
+    second most likely token after a)."""
+    logits = np.random.default_rng(1).normal(0.0, 1.0, (V, V)).astype(np.float32)
+    p = np.stack([target_probs(row) for row in logits])
+    guess = np.argsort(-p, axis=1, kind="stable")[:, 1]
+    return logits, p, guess
+
+
+def window(chain) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [K+1, V] of the verify pass over [START, g1, g2], guesses [K]): each guess the
+    second most likely after the token before it."""
+    logits, _, guess = chain
+    g1 = int(guess[START])
+    g2 = int(guess[g1])
+    return logits[[START, g1, g2]], np.array([g1, g2], np.int64)
+
+
+def rounds_rule(chain, n: int) -> list[list[int]]:
+    """n rounds of the one-request rule on the same window, one seeded generator: each round's
+    emitted tokens (its accepted guesses, then the recovered or bonus token)."""
+    logits, guesses = window(chain)
+    ws, rng, out = Workspace(K, V), np.random.default_rng(1234), []
+    proposal = Proposal(guesses)                  # q None: a deterministic guess
+    for _ in range(n):
+        v = accept(logits, proposal, PARAMS, rng, ws)
+        out.append([*guesses[:v.n_accepted].tolist(), v.next_token])
+    return out
+
+
+def batched_rule(chain, n: int, first_mismatch=None) -> list[list[int]]:
+    """n requests (seeds 0..n-1) through the batched rule on the same window at position 9."""
+    first_mismatch = first_mismatch or choice_mod.first_mismatch
+    logits, guesses = window(chain)
+    scratch, out = np.zeros(V, np.float32), []
+    for seed in range(n):
+        accepted, nxt = first_mismatch(logits, guesses, PARAMS, seed, 9, scratch)
+        out.append([*guesses[:accepted].tolist(), nxt])
+    return out
+
+
+def fits(chain, emitted: list[list[int]]):
+    """(fit of the first token against p after START, fit of the second token in the rounds
+    that kept the first guess against p after that guess, share of rounds that kept it)."""
+    _, p, guess = chain
+    g1 = int(guess[START])
+    first = np.bincount([e[0] for e in emitted], minlength=V)
+    later = np.bincount([e[1] for e in emitted if len(e) > 1], minlength=V)
+    kept = sum(len(e) > 1 for e in emitted) / len(emitted)
+    return goodness_of_fit(first, p[START]), goodness_of_fit(later, p[g1]), kept
+
+
+def guard(chain, emitted) -> None:
+    """The check means something: the guesses are mostly rejected, but often enough kept
+    that the later position has thousands of samples, and the second guess is both kept and
+    rejected."""
+    _, p, guess = chain
+    g1, g2 = int(guess[START]), int(guess[int(guess[START])])
+    assert len({START, g1, g2}) == 3                    # three different rows of the chain
+    assert 0.15 < p[START, g1] < 0.45 and 0.15 < p[g1, g2] < 0.45, (p[START, g1], p[g1, g2])
+    one = sum(len(e) == 2 for e in emitted)             # the first guess kept, the second rejected
+    both = sum(len(e) == 3 for e in emitted)
+    assert one > 1000 and both > 300, (one, both)
+
+
+@pytest.mark.parametrize("rule", [rounds_rule, batched_rule], ids=["rounds-verify_sampled", "batched-choice"])
+def test_a_rejected_guess_leaves_the_output_exactly_the_targets(chain, rule):
+    emitted = rule(chain, N)
+    guard(chain, emitted)
+    first, later, kept = fits(chain, emitted)
+    _, p, guess = chain
+    assert kept == pytest.approx(p[START, guess[START]], abs=0.02)     # kept with probability p(guess)
+    assert first.outside_support == later.outside_support == 0, (first, later)
+    assert first.passes and later.passes, (first, later)
+
+
+def test_a_residual_that_keeps_the_rejected_guess_fails_the_same_check(chain, monkeypatch):
+    """sampling.verify_sampled drawing a rejected guess's replacement from p itself (the guess
+    left in): both positions fail by a wide margin."""
+    def keep_guess(p, x, out):
+        np.copyto(out, p)           # wrong: x stays in
+        return out
+
+    monkeypatch.setattr(sampling_mod, "residual_without", keep_guess)
+    first, later, _ = fits(chain, rounds_rule(chain, N))
+    assert all(f.p_value < P_VALUE_CEILING and f.tv > 2 * f.tv_bound for f in (first, later)), (first, later)
+
+
+def test_a_batched_rule_that_redraws_a_rejected_guess_from_p_fails_the_same_check(chain):
+    """The batched rule's counterpart of that mistake: a guess that differs from the target's
+    choice is replaced by a fresh draw from p (another uniform), so the guess comes back."""
+    def redraw(logits, proposal, params, seed, position, scratch):
+        n, y = choice_mod.first_mismatch(logits, proposal, params, seed, position, scratch)
+        if n == len(proposal):
+            return n, y
+        return n, choice_mod.choose(logits[n], params, seed + 1_000_003, position + n, scratch)
+
+    first, later, _ = fits(chain, batched_rule(chain, N, redraw))
+    assert all(f.p_value < P_VALUE_CEILING and f.tv > 2 * f.tv_bound for f in (first, later)), (first, later)
