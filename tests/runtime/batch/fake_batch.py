@@ -10,6 +10,7 @@ invariant by construction, so any difference from a request run alone is the eng
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 
@@ -87,3 +88,56 @@ class FakeTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + int(i) % 26) for i in ids if int(i) not in self.eos_token_ids)
+
+
+def hold_until_added(engine, n: int, monkeypatch) -> None:
+    """Hold a BatchGenerator's engine thread before its next step until `n` more requests
+    have been added: they all wait before the first of them is admitted, so the batches that
+    follow do not depend on how the threads were scheduled. Returns once the engine thread is
+    parked in the held step (a step already under way could otherwise admit the first request)."""
+    added, parked, lock, count = threading.Event(), threading.Event(), threading.Lock(), [0]
+    real_add, real_step = engine.add, engine.step
+
+    def add(req, max_waiting=None):
+        ok = real_add(req, max_waiting)
+        with lock:
+            count[0] += ok
+            if count[0] >= n:
+                added.set()
+        return ok
+
+    def step():
+        parked.set()
+        return added.wait(60) and real_step()     # never a real step before the n-th request
+
+    monkeypatch.setattr(engine, "add", add)
+    monkeypatch.setattr(engine, "step", step)
+    assert parked.wait(60), "the engine thread never came back to its step"
+
+
+class StepGate:
+    """Replaces a BatchEngine's step (on a BatchGenerator's thread) by one that runs only when
+    the test lets it: `run(k)` lets k steps run and returns once they have; `free()` lets it run
+    on its own (call it in a `finally`, or the engine thread waits for ever)."""
+
+    def __init__(self, engine, monkeypatch):
+        self._permits, self._ran, self._free, real = threading.Semaphore(0), threading.Semaphore(0), False, engine.step
+
+        def step():
+            if not self._free:
+                self._permits.acquire()
+            try:
+                return real()
+            finally:
+                self._ran.release()
+
+        monkeypatch.setattr(engine, "step", step)
+
+    def run(self, k: int = 1) -> None:
+        for _ in range(k):
+            self._permits.release()
+            assert self._ran.acquire(timeout=60), "the engine thread did not take its step"
+
+    def free(self) -> None:
+        self._free = True
+        self._permits.release()          # the step waiting now

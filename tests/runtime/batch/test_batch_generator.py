@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fake_batch import FakeTokenizer
+from fake_batch import FakeTokenizer, StepGate, hold_until_added
 from test_batch_engine import EOS, PROMPTS, make_engine, reference
 
 from specrt.errors import OverloadedError, SpecrtError
@@ -22,21 +22,25 @@ def gen():
     g.close()
 
 
-def test_requests_from_many_threads_each_get_their_own_answer(gen):
+def test_requests_from_many_threads_each_get_their_own_answer(gen, monkeypatch):
+    """8 threads submit while the engine is held until all 8 wait (hold_until_added): the rows
+    share steps by construction, not because the threads happened to be faster than the engine."""
+    hold_until_added(gen.engine, 8, monkeypatch)
     out = {}
 
     def client(i):
-        out[i] = gen.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=12 + i)
+        out[i] = gen.submit(PROMPTS[i % len(PROMPTS)], max_new_tokens=12 + i).result(timeout=60)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads) and sorted(out) == list(range(8))
     for i, c in out.items():
         want, reason = reference(gen.lm, PROMPTS[i % len(PROMPTS)], 12 + i)
         assert (c.tokens, c.finish_reason) == (want, reason), i
-    assert len(out) == 8 and gen.engine.stats.occupancy > 1.0
+    assert gen.engine.stats.occupancy > 1.0, gen.engine.stats
 
 
 def test_generate_batch_keeps_the_prompts_order(gen):
