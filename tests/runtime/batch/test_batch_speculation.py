@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from fake_batch import FakeLM
+from fake_batch import FakeLM, hold_until_added
 
 from specrt.runtime.batch.choice import choose
 from specrt.runtime.batch.engine import BatchEngine
@@ -74,14 +74,15 @@ def test_the_build_records_window_invariance_and_the_step_costs(tiny_batch_stand
         assert g.engine.policy.costs is None and g.engine.min_tokens == 1
 
 
-def test_a_speculating_batch_gives_every_request_its_tokens_alone(speculating, plain_alone):
+def test_a_speculating_batch_gives_every_request_its_tokens_alone(speculating, plain_alone, monkeypatch):
     with open_batch(speculating[1], max_num_seqs=3) as g:
         assert g.engine.policy.costs is not None             # the build measured them
         # which steps pay depends on those timings (noisy on a shared machine, and on the tiny model
         # the rows graph's several-token steps cost more than one-token ones): here every step
         # costs the same, so the policy speculates wherever it has a guess
         g.engine.policy.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)})
-        got = [c.tokens for c in g.generate_batch(PROMPTS, max_new_tokens=NEW)]
+        hold_until_added(g.engine, len(PROMPTS), monkeypatch)     # all wait before the first step: the
+        got = [c.tokens for c in g.generate_batch(PROMPTS, max_new_tokens=NEW)]   # batches are not up to the threads
         st = g.engine.stats
         assert got == plain_alone
         spec = st.choices[RoundKind.LOOKUP.value] + st.choices[RoundKind.PAIR.value]
@@ -93,6 +94,9 @@ def test_a_speculating_batch_gives_every_request_its_tokens_alone(speculating, p
 def test_a_seeded_sample_is_the_same_alone_and_in_a_speculating_batch(speculating):
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
     with open_batch(speculating[1], max_num_seqs=4) as g:
+        # equal costs: the policy speculates wherever it has a guess, not where the build's timings
+        # (measured on a machine that may have been busy) happened to favour it
+        g.engine.policy.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)})
         alone = g.generate(PROMPTS[0], max_new_tokens=NEW, sampling=sp).tokens
         hs = [g.submit(p, max_new_tokens=NEW, sampling=SamplingParams(temperature=1.0, seed=i))
               for i, p in enumerate(PROMPTS[1:4])]
@@ -143,7 +147,7 @@ def test_a_rows_call_reads_the_cache_up_to_its_longest_row_in_blocks(tiny_batch_
         m.step("step", np.ones((2, 1), np.int64), np.array([9, 0], np.int64), 0, kv_len=8)
 
 
-def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone(tiny_batch_rows_engines):
+def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone(tiny_batch_rows_engines, monkeypatch):
     """A long row makes every call read more than one KV_BLOCK of cache; the short rows beside
     it (and the long row itself) still get exactly their tokens alone, while speculating."""
     from specrt.runtime.backends.ort_batch import KV_BLOCK
@@ -152,6 +156,7 @@ def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone
         alone = [g.generate(p, max_new_tokens=NEW).tokens for p in prompts]
     with open_batch(tiny_batch_rows_engines, max_num_seqs=3) as g:
         g.engine.policy.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)})
+        hold_until_added(g.engine, len(prompts), monkeypatch)
         got = [c.tokens for c in g.generate_batch(prompts, max_new_tokens=NEW)]
         assert got == alone
         assert g.engine.target.max_kv_len > KV_BLOCK      # the long row crossed a block

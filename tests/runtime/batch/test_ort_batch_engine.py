@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
+from fake_batch import hold_until_added
 
 from specrt.errors import ConfigError, ManifestError
 from specrt.runtime import SpeculativeGenerator
@@ -52,11 +52,14 @@ def test_the_build_records_the_batched_graph_and_its_invariance(tiny_batch_same_
     assert inv["equal"] is True and inv["max_abs_logit_delta"] == 0.0 and inv["rows"] >= 2
 
 
-def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alone, tiny_batch_same_engines):
+def test_greedy_rows_equal_the_request_alone_and_the_one_stream_runtime(gen, alone, tiny_batch_same_engines,
+                                                                      monkeypatch):
     # 7 requests on 3 rows: rows fill, finish at different steps (different prompt lengths and
-    # EOS), and waiting requests join mid-generation
+    # EOS), and waiting requests join mid-generation; all 7 wait before the first step, so the
+    # steps the rows share do not depend on how fast this thread submits
     st = gen.engine.stats
     steps, rows = st.steps, st.row_steps
+    hold_until_added(gen.engine, len(PROMPTS), monkeypatch)
     together = [c.tokens for c in gen.generate_batch(PROMPTS, max_new_tokens=NEW)]
     assert together == alone
     assert (st.row_steps - rows) / (st.steps - steps) > 2.0     # the rows really shared steps
@@ -70,25 +73,23 @@ def test_rows_with_stop_strings_and_cancelled_rows_leave_the_others_unchanged(ge
     # the cancelled request: one that alone runs to max_new_tokens (no EOS), cancelled from its own
     # sink at its first tokens, on the engine thread, so the cancel lands before its next step
     c = next(i for i in range(1, len(PROMPTS)) if len(alone[i]) == NEW)
-    box, events = {}, []
+    box, events, submitted, ended = {}, [], threading.Event(), threading.Event()
 
     def sink(ev):
         events.append(ev)
-        if isinstance(ev, Delta):
-            t0 = time.monotonic()
-            while "h" not in box and time.monotonic() - t0 < 5:   # submit() has not returned yet
-                time.sleep(0.001)
+        if isinstance(ev, Delta) and submitted.wait(60):      # (submit() may not have returned yet)
             box["h"].cancel()
+        elif isinstance(ev, Done):
+            ended.set()
 
     handles = [gen.submit(p, max_new_tokens=NEW, stop=[stop] if i == 0 else (), sink=sink if i == c else None)
                for i, p in enumerate(PROMPTS)]
     box["h"] = handles[c]
+    submitted.set()
     out = [h.result() if i != c else None for i, h in enumerate(handles)]
     assert out[0].finish_reason == "stop" and stop not in out[0].text
     assert all(out[i].tokens == alone[i] for i in range(len(PROMPTS)) if i not in (0, c))
-    t0 = time.monotonic()
-    while not (events and isinstance(events[-1], Done)) and time.monotonic() - t0 < 30:
-        time.sleep(0.01)
+    assert ended.wait(60), events
     done = events[-1]
     assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.completion_tokens < NEW
 
