@@ -31,8 +31,9 @@ def _build_key() -> str:
     """Hash of everything a tiny build depends on (not the runtime: mutating it keeps the cache)."""
     h = hashlib.sha256()
     src = ROOT / "specrt"
-    files = [*src.glob("export/*.py"), *src.glob("calibration/*.py"), *src.glob("engines/*.py"),
-             *src.glob("build/**/*.py"), src / "driver.py", src / "manifest.py", TESTS / "tiny_models.py"]
+    globs = [sorted(src.glob(g)) for g in ("export/*.py", "calibration/*.py", "engines/*.py", "builder/**/*.py")]
+    assert all(globs), "a build-side folder moved: update _build_key (a stale key reuses outdated tiny engines)"
+    files = [*sum(globs, []), src / "driver.py", src / "manifest.py", TESTS / "tiny_models.py"]
     for f in sorted(files):
         h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     h.update(inspect.getsource(build_tiny).encode())
