@@ -1,12 +1,18 @@
-"""`specrt serve --max-num-seqs N`: one batched engine behind the same HTTP API."""
+"""`specrt serve --max-num-seqs N`: one batched engine behind the same HTTP API.
+
+What depends on the order of events is made deterministic by an `EngineProbe`: it holds the
+engine thread before a step until the test lets it go (requests overlap, or a client is gone,
+by construction) and records each request's engine events (Delta, Done)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 
 import httpx
 import pytest
 
 from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.batch.request import Delta, Done
 from specrt.serve.errors import ServeConfigError
 from specrt.serve.server import ServeConfig, build_app
 
@@ -15,9 +21,64 @@ from .serve_helpers import WAIT_S, LiveServer, wait_for
 PROMPTS = ["hello there", "the quick brown fox", "x", "one two three four five six", "to be or not", "a b c"]
 
 
+class EngineProbe:
+    """The server's batched generator (`factory`), with two seams on its engine thread:
+    - `go` clear: the thread waits before its next step while `hold(engine)` is true
+      (`held` is set while it waits); set (the default): it steps freely;
+    - `events[i]`: the engine events of the i-th request submitted, in order; `rows`: the
+      running rows at the start of each step that had work.
+    `tune(gen)` may adjust the generator before it serves (e.g. its policy's costs)."""
+
+    def __init__(self, hold=lambda engine: True, tune=lambda gen: None):
+        self.hold, self.tune = hold, tune
+        self.go, self.held = threading.Event(), threading.Event()
+        self.go.set()
+        self.events: list[list] = []
+        self.rows: list[int] = []
+        self.engine = None
+
+    def factory(self, engines, **kw):
+        gen = open_batch(engines, **kw)
+        self.tune(gen)
+        eng, step, submit = gen.engine, gen.engine.step, gen.submit
+        self.engine = eng
+
+        def gated_step():
+            # checked on the engine thread, between steps: nothing is admitted or emitted meanwhile
+            if not self.go.is_set() and self.hold(eng):
+                self.held.set()
+                self.go.wait(WAIT_S)
+                self.held.clear()
+            if not eng.idle():          # (an idle engine polls for work every few ms)
+                self.rows.append(len(eng.rows))
+            return step()
+
+        def recorded_submit(*a, sink, **kw):
+            events = []
+            self.events.append(events)
+
+            def record(ev):
+                events.append(ev)
+                sink(ev)
+            return submit(*a, sink=record, **kw)
+
+        eng.step, gen.submit = gated_step, recorded_submit     # (the thread looks both up at each call)
+        return gen
+
+    def done(self, i: int = -1) -> Done | None:
+        return next((e for e in self.events[i] if isinstance(e, Done)), None) if self.events else None
+
+
 @pytest.fixture(scope="module")
-def live(tiny_batch_engines):
-    server = LiveServer(tiny_batch_engines, max_num_seqs=3, queue_size=8)
+def probe():
+    p = EngineProbe()
+    yield p
+    p.go.set()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_batch_engines, probe):
+    server = LiveServer(tiny_batch_engines, factory=probe.factory, max_num_seqs=3, queue_size=8)
     yield server
     server.close()
 
@@ -29,30 +90,75 @@ def _complete(url, model, prompt, **kw):
     return r.json()["choices"][0]["text"]
 
 
-def test_concurrent_requests_get_the_answers_they_get_alone(live, tiny_batch_engines):
+def test_concurrent_requests_get_the_answers_they_get_alone(live, probe, tiny_batch_engines):
     ref = open_batch(tiny_batch_engines, max_num_seqs=1)
     try:
-        alone = [ref.generate(p, max_new_tokens=16).text for p in PROMPTS]
+        alone = [ref.generate(p, max_new_tokens=16) for p in PROMPTS]
     finally:
         ref.close()
-    with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
-        got = list(ex.map(lambda p: _complete(live.url, live.model, p), PROMPTS))
-    assert got == alone
+    # each row is admitted one step after the one before it (one prefill at a time): with every
+    # answer at least 4 tokens long, the third row joins while the first two still run
+    assert min(len(c.tokens) for c in alone) >= 4, "an answer too short to overlap the others"
+    eng = probe.engine
+    probe.go.clear()                     # the engine waits before its next step...
+    assert probe.held.wait(WAIT_S)
+    steps0, row_steps0, first = eng.stats.steps, eng.stats.row_steps, len(probe.rows)
+    try:
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+            futs = [ex.submit(_complete, live.url, live.model, p) for p in PROMPTS]
+            wait_for(lambda: eng.queued == len(PROMPTS), "every request to be queued")
+            probe.go.set()               # ...until every request waits for a row: they overlap by construction
+            got = [f.result() for f in futs]
+    finally:
+        probe.go.set()
+    assert got == [c.text for c in alone]
+    assert max(probe.rows[first:]) == 3
+    st = eng.stats
+    assert (st.row_steps - row_steps0) / (st.steps - steps0) > 1.0
     m = live.metrics()
-    assert m[("specrt_batch_steps", frozenset())] > 0
-    assert m[("specrt_batch_occupancy", frozenset())] >= 1.0      # (overlap depends on timing: see the engine tests)
+    assert m[("specrt_batch_steps", frozenset())] == st.steps > 0
+    assert m[("specrt_batch_occupancy", frozenset())] == pytest.approx(st.occupancy)
     assert m[("specrt_batch_step_choice", frozenset({("kind", "plain")}))] == m[("specrt_batch_steps", frozenset())]
     h = live.health()
     assert h["method"] == "batched" and h["workers"][0]["max_num_seqs"] == 3
 
 
-def test_a_stream_cut_by_the_client_frees_its_row(live):
-    with httpx.Client(timeout=WAIT_S) as c:
-        with c.stream("POST", live.url + "/v1/completions", json={"model": live.model, "prompt": "hello",
-                                                                  "max_tokens": 60, "stream": True}) as r:
-            assert r.status_code == 200
-            next(line for line in r.iter_lines() if line.startswith("data: "))
-    wait_for(lambda: live.health()["busy"] == 0, "the row to be freed")
+def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_step(tiny_batch_engines):
+    """One row, no queue: a stream the client leaves after two pieces is cancelled in the engine,
+    its row freed by the first step after the server saw the disconnect, and the next request
+    gets the row (it would get 429 while the row is held)."""
+    probe = EngineProbe(hold=lambda eng: sum(isinstance(e, Delta) and bool(e.text) for e in probe.events[-1]) >= 2
+                        if probe.events else False)
+    probe.go.clear()                     # the engine stops once the stream's first two pieces are out
+    server = LiveServer(tiny_batch_engines, factory=probe.factory, max_num_seqs=1, queue_size=0)
+    try:
+        with httpx.Client(timeout=WAIT_S) as c:
+            with c.stream("POST", server.url + "/v1/completions", json={
+                    "model": server.model, "prompt": "hello", "max_tokens": 80, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()   # held: a dropped httpx line iterator closes the connection
+                pieces = [next(line for line in lines if line.startswith("data: ")) for _ in range(2)]
+                assert all('"text":"' in line for line in pieces)
+                assert probe.held.wait(WAIT_S)
+            # leaving the block closed the connection mid-stream
+        wait_for(lambda: server.count("/v1/completions", "cancelled") == 1, "the server to see the disconnect")
+        eng, emitted = probe.engine, sum(len(e.tokens) for e in probe.events[0] if isinstance(e, Delta))
+        assert probe.done(0) is None and eng.active == 1
+        steps = eng.stats.steps
+        probe.go.set()                   # the engine steps again
+        done = wait_for(lambda: probe.done(0), "the engine to end the request")
+        assert done.finish_reason == "cancelled"
+        assert eng.stats.steps - steps <= 1, "the row ran on after the client left"
+        assert done.completion_tokens <= emitted + 1 < 80
+        assert eng.active == 0 and server.health()["busy"] == 0
+        got = httpx.post(server.url + "/v1/completions", timeout=WAIT_S, json={
+            "model": server.model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0})
+        assert got.status_code == 200, got.text
+        assert got.json()["usage"]["completion_tokens"] == 8
+    finally:
+        probe.go.set()
+        server.close()
 
 
 def test_the_config_refuses_what_it_cannot_serve(tiny_int4_engines):
