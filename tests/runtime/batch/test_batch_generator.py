@@ -48,10 +48,15 @@ def test_generate_batch_keeps_the_prompts_order(gen):
     assert [c.tokens for c in outs] == [reference(gen.lm, p, 10)[0] for p in PROMPTS]
 
 
-def test_closing_a_stream_early_cancels_its_request(gen):
-    s = gen.stream(PROMPTS[3], max_new_tokens=40)
+def test_closing_a_stream_early_cancels_its_request(gen, monkeypatch):
+    handles, submit = [], gen.submit
+    monkeypatch.setattr(gen, "submit", lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1])
+    s = gen.stream(PROMPTS[3], max_new_tokens=40, ignore_eos=True)
     next(s)
     s.close()
+    (h,) = handles
+    done = [ev for ev in h.events(timeout=60)][-1]           # the rest of its events, up to its Done
+    assert done.finish_reason == "cancelled" and done.completion_tokens < 40
     c = gen.generate(PROMPTS[0], max_new_tokens=5)        # the engine carries on
     assert c.tokens == reference(gen.lm, PROMPTS[0], 5)[0]
     assert gen.engine.stats.finished >= 2
