@@ -5,7 +5,8 @@ nothing deleted that the build did not create.
                       mount point, a folder holding anything (at any depth) but a previous
                       specrt build (unless --force)
     make_partial(out) a fresh hidden sibling `.NAME.partial-XXXX` with a marker file: the
-                      build writes there; a unique name never collides with the user's folders
+                      build writes there; a unique name never collides with the user's folders.
+                      Refused while another live build of the same NAME has its own there
     commit(tmp, out)  swap it into place (the previous build moves to a unique
                       `.NAME.old-XXXX` and is deleted only after the swap succeeded)
     discard(tmp)      remove the partial folder (a failed or interrupted build)
@@ -14,7 +15,13 @@ nothing deleted that the build did not create.
 Ctrl-C and SIGTERM (a `timeout`, a service manager) unwind the build, so `discard` runs.
 A build killed outright (SIGKILL, power loss) leaves its marked `.NAME.partial-XXXX`
 folder behind; the next build of the same NAME removes it, since the marker says
-specrt made it and its process is gone.
+specrt made it and its process is gone. A partial folder whose builder is alive belongs to a
+build still running: it is never removed, and the second build is refused instead (the last
+to commit would silently replace the other's output).
+
+Symbolic links inside `--out` are the user's (a build writes none): any link is a foreign
+entry, refused without --force; with --force the folder is renamed aside and removed with
+`shutil.rmtree`, which unlinks a link and never follows it, so what a link points to is kept.
 """
 from __future__ import annotations
 
@@ -67,15 +74,19 @@ def preflight(out: str | Path, *, force: bool = False) -> Path:
 
 def foreign_entries(folder: Path) -> list[str]:
     """Entries of `folder` a previous specrt build did not write (all of them when it holds
-    no readable specrt manifest)."""
-    entries = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    no readable specrt manifest). A symbolic link is always foreign, even under an artifact's
+    name: a build writes plain files, so a link is something the user put there."""
+    # rglob does not descend into linked folders: a link is listed once, by its own name
+    paths = [p for p in folder.rglob("*") if p.is_file() or p.is_symlink()]
+    entries = sorted(str(p.relative_to(folder)) for p in paths)
     if not entries:
         return []
+    links = {str(p.relative_to(folder)) for p in paths if p.is_symlink()}
     try:
         man = mf.load(folder)
     except mf.ManifestError:
         return entries
-    known = {mf.FILENAME} | {rel for rel, _ in mf.artifact_files(man)}
+    known = ({mf.FILENAME} | {rel for rel, _ in mf.artifact_files(man)}) - links
     return [e for e in entries if e not in known]
 
 
@@ -85,12 +96,20 @@ def make_partial(out: Path) -> Path:
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
         (tmp / MARKER).write_text(str(os.getpid()))
+        # after our own marker is written: of two builds starting together, at least one sees
+        # the other and refuses, so two never both run into the same --out
+        running = _clear_partials(out, tmp)
     except OSError as e:
         raise BuildOutputError(f"cannot write a build next to {out} ({e.strerror or e}): choose an --out in a "
                                "writable folder") from None
+    if running is not None:
+        folder, pid = running
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BuildOutputError(f"another specrt build (process {pid}) is writing --out {out} (into {folder}); "
+                               "wait for it to finish, or choose another --out. If no build is running (the "
+                               f"process id was reused), remove {folder} and build again")
     if threading.current_thread() is threading.main_thread():
         # until discard(tmp): SIGTERM (timeout, kill, a service manager) unwinds the build
         # like Ctrl-C, so the caller's `finally: discard(tmp)` removes the partial folder
@@ -161,15 +180,23 @@ def disk_full(err: OSError, out: Path, tmp: Path) -> BuildOutputError | None:
                             "--out on another one")
 
 
-def _remove_stale_partials(out: Path) -> None:
+def _clear_partials(out: Path, mine: Path) -> tuple[Path, int] | None:
+    """Remove the partial folders of `out` whose builder is dead; returns (folder, pid) of one
+    whose builder is alive (another build still running; this process's own count too, a
+    build in another thread), or None."""
+    running = None
     for p in out.parent.glob(f".{out.name}.partial-*"):
-        marker = p / MARKER
+        if p == mine or p.is_symlink():
+            continue               # a link is the user's, whatever its name
         try:
-            pid = int(marker.read_text().strip())
+            pid = int((p / MARKER).read_text().strip())
         except (OSError, ValueError):
             continue               # not ours: leave it alone
-        if pid != os.getpid() and not _alive(pid):
+        if pid == os.getpid() or _alive(pid):
+            running = running or (p, pid)
+        else:
             shutil.rmtree(p, ignore_errors=True)
+    return running
 
 
 def _alive(pid: int) -> bool:
