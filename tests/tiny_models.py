@@ -188,6 +188,8 @@ ARCHITECTURE_CASES = {
     "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "mistral_window": ("mistral", {"sliding_window": 5}),
     "qwen3_window": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    # Qwen2 windows the layers from max_window_layers on, only with use_sliding_window (3 layers: full, 6, 6)
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "phi3_longrope": ("phi3", {"rope_parameters": PHI3_LONGROPE, "max_position_embeddings": 1024,
                                "original_max_position_embeddings": 64}),   # Phi3Config copies it into the rope
 }

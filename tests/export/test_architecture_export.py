@@ -3,7 +3,7 @@ transformers configs (tests/tiny_models.py ARCHITECTURE_CASES; no download).
 
 - parity: the exported graphs match transformers within the spec's tolerance at real cache
   offsets, for the variants the runtime tests do not build ("standard", the TensorRT graph)
-  and for the cases they do not run (sliding windows on Mistral and Qwen3, Phi-3 longrope);
+  and for the cases they do not run (sliding windows on Mistral, Qwen2 and Qwen3, Phi-3 longrope);
 - every declared feature is needed: the decoder rebuilt in torch matches transformers, and
   with any one feature switched off it does not (so the tiny models exercise each one);
 - what cannot be exported is refused with a typed error that names the fix.
@@ -25,7 +25,8 @@ SHAPES = Shapes(batch=1, max_context=64, prefill_chunk=16, k=3)
 
 PARITY = [
     *[(case, "standard") for case in ("qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "smollm3")],
-    *[(case, att) for case in ("mistral_window", "qwen3_window") for att in ("gqa", "portable", "standard")],
+    *[(case, att) for case in ("mistral_window", "qwen2_window", "qwen3_window")
+      for att in ("gqa", "portable", "standard")],
     ("phi3_longrope", "gqa"), ("phi3_longrope", "portable"),
 ]
 
@@ -39,6 +40,7 @@ BITES = {
                     "rope_local_base"),
     "smollm3": ("no_rope_layers",),
     "mistral_window": ("sliding",),
+    "qwen2_window": ("sliding",),
     "qwen3_window": ("sliding",),
 }
 LAYOUTS = ("fused_gate_up",)    # how weights are stored: checked by parity (phi3), not switchable
@@ -121,6 +123,29 @@ def test_gemma3_layers_take_their_own_rotary_table_and_window(loaded):
     assert lm.dims.rotary == ("local", "global", "local")
     assert lm.dims.windows == (6, None, 6)
     assert not torch.allclose(lm.inv_freq, lm.local_rope[0])          # theta 1e6 (x 1/8 linear) vs 1e4
+
+
+def test_qwen2_windows_exactly_the_layers_transformers_windows(loaded):
+    """Qwen2 windows layers max_window_layers.. only when use_sliding_window is true (the
+    installed transformers says which, in config.layer_types)."""
+    lm = loaded("qwen2_window")
+    cfg = lm.model.config
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert lm.dims.windows == (None, 6, 6)
+    assert [a.self_attn.sliding_window for a in lm.model.model.layers] == list(lm.dims.windows)
+
+
+def test_qwen2_with_use_sliding_window_false_has_no_window_whatever_sliding_window_says(tmp_path):
+    """Released Qwen2/2.5 configs: use_sliding_window false beside a sliding_window value and
+    max_window_layers; transformers attends to the whole context, so must the export."""
+    extra = {"use_sliding_window": False, "sliding_window": 6, "max_window_layers": 1}
+    lm = sources.load_source(make_tiny_model_dir(tmp_path / "qwen2", "qwen2", layers=3, extra=extra))
+    assert lm.dims.windows == (None, None, None)
+    ids = [(7 * i + 3) % 120 + 5 for i in range(24)]                # 4x the window it must not apply
+    with torch.no_grad():
+        want = lm.model(torch.tensor([ids])).logits[0]
+    tol = parity.ATOL + lm.spec.parity_rtol * float(want.abs().max())
+    assert float((_torch_logits(lm, lm.spec, ids) - want).abs().max()) < tol
 
 
 def test_partial_rotary_table_ort_cannot_take_is_refused_for_gqa(tmp_path):
