@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from specrt.errors import ConfigError, OverloadedError, SpecrtError
+from specrt.errors import ConfigError, ManifestError, OverloadedError, SpecrtError
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.request import Delta, Done, Failed, Request
 from specrt.runtime.prompt import check_request, encode_prompt
@@ -209,6 +209,7 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     if entry is None:
         raise ConfigError(f"{root} has no batched model: rebuild it with `specrt build ... --batch` to serve many "
                           "requests on one engine, or serve it with --workers N (one request per engine copy)")
+    _check_entry(entry)
     inv = entry.parity.get("batch_invariance") or {}
     if inv.get("equal") is not True:
         raise ConfigError(f"{root}: the build did not show that the batched graph computes each row independently of "
@@ -232,6 +233,20 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     return BatchGenerator(engine, tok, max_queue=max_queue)
 
 
+def _check_entry(entry) -> None:
+    """What open_batch trusts in models.batch beyond manifest.load's checks: the parity verdicts
+    it reads are objects, and the rowwise prefill graph the build says it made (source.prefill_graph)
+    is listed: without it prompt chunks would silently run through the step graph (other tokens)."""
+    parity = entry.parity
+    if not isinstance(parity, dict) or not all(isinstance(parity.get(k) or {}, dict)
+                                               for k in ("batch_invariance", "window_invariance")):
+        raise ManifestError("models.batch.parity and its batch_invariance / window_invariance must be objects: "
+                            "the manifest was edited; rebuild the engines with `specrt build ... --batch`")
+    if ("prefill_graph" in (entry.source or {})) != ("prefill" in entry.graphs):
+        raise ManifestError("models.batch lists a prefill graph without the build's source.prefill_graph, or the "
+                            "reverse: the manifest was edited; rebuild the engines with `specrt build ... --batch`")
+
+
 def _policy(root, man, entry, speculate: bool):
     """(policy, min_tokens): speculation per step by measured cost where the build showed it
     cannot change a row's tokens (see open_batch), every pass with at least the windows'
@@ -244,7 +259,10 @@ def _policy(root, man, entry, speculate: bool):
     windows = entry.parity.get("window_invariance") or {}
     if windows.get("equal") is not True:
         return BatchPolicy(None, k), 1
-    min_tokens = int(windows.get("min_tokens", 2))     # plain steps too: the same tokens with or without speculation
+    min_tokens = windows.get("min_tokens", 2)     # plain steps too: the same tokens with or without speculation
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 1 <= min_tokens <= k + 1:
+        raise ManifestError(f"models.batch.parity.window_invariance.min_tokens={min_tokens!r} is not a token count in "
+                            f"[1, {k + 1}]: the manifest was edited; rebuild the engines with `specrt build ... --batch`")
     if not speculate or costs is None:
         return BatchPolicy(None, k), min_tokens
     ngrams = (man.proposers or {}).get("ngrams")
