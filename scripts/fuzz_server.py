@@ -1,8 +1,10 @@
 """Fuzz `specrt serve`'s request schema over loopback; bounded, it stops by itself.
 
-    .venv/bin/python scripts/fuzz_server.py ENGINES [--cases N] [--seed S] [--json FILE]
+    .venv/bin/python scripts/fuzz_server.py ENGINES [--cases N] [--seed S] [--max-num-seqs N] [--json FILE]
 
-Starts `specrt serve ENGINES --port 0` (127.0.0.1), then sends N bodies to each of
+Starts `specrt serve ENGINES --port 0` (127.0.0.1; with --max-num-seqs N the batched server,
+one engine decoding up to N requests together: ENGINES built with `specrt build --batch`;
+without it the one-request-per-worker server), then sends N bodies to each of
 /v1/completions and /v1/chat/completions drawn by hypothesis from `completion_bodies()`
 / `chat_bodies()`: valid requests (short generations, streamed or not), the same with one
 field replaced by any JSON value, and bodies of anything: every known field with values of
@@ -193,24 +195,30 @@ def schemathesis_pass(url: str, cases: int, tally: Counter, findings: list) -> s
     return f"schemathesis {getattr(schemathesis, '__version__', '')}: {ran} cases"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("engines", type=Path)
-    ap.add_argument("--cases", type=int, default=300, help="hypothesis examples per endpoint (default 300)")
-    ap.add_argument("--seed", type=int, default=0, help="hypothesis's seed (the same seed sends the same bodies)")
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
-    proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(a.engines), "--port", "0",
-                             "--queue-size", "2", "--timeout", str(TIMEOUT_S)],
+def server_command(engines: Path, max_num_seqs: int | None = None) -> list[str]:
+    """`specrt serve` on 127.0.0.1 (its default host), a free port, a short queue and --timeout."""
+    batched = [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
+    return [sys.executable, "-m", "specrt.cli", "serve", str(engines), "--host", "127.0.0.1", "--port", "0",
+            "--queue-size", "2", "--timeout", str(TIMEOUT_S), *batched]
+
+
+def fuzz(engines: Path, cases: int, seed: int = 0, max_num_seqs: int | None = None) -> dict:
+    """Start the server, send the bodies, stop it; the report (findings empty and server_exit 0: clean)."""
+    proc = subprocess.Popen(server_command(engines, max_num_seqs),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        url = re.search(r"on (http://\S+)/v1", proc.stdout.readline()).group(1)
+        line = proc.stdout.readline()
+        found = re.search(r"on (http://\S+)/v1", line)
+        if found is None:
+            proc.kill()
+            raise SystemExit(f"the server did not start: {line}{proc.stderr.read()[-2000:]}")
+        url = found.group(1)
         tally, findings = Counter(), []
         with httpx.Client(base_url=url, timeout=TIMEOUT_S + 60) as client:
-            rss0 = client.get("/health").json()["rss_mib"]
+            health = client.get("/health").json()
             t0 = time.perf_counter()
-            hypothesis_pass(client, a.cases, a.seed, tally, findings)
-            note = schemathesis_pass(url, max(a.cases // 4, 10), tally, findings)
+            hypothesis_pass(client, cases, seed, tally, findings)
+            note = schemathesis_pass(url, max(cases // 4, 10), tally, findings)
             rss1 = client.get("/health").json()["rss_mib"]
         seconds = time.perf_counter() - t0
         proc.send_signal(signal.SIGTERM)
@@ -221,14 +229,26 @@ def main(argv=None) -> int:
     by_status = Counter()
     for (_, status), n in tally.items():
         by_status[status] += n
-    report = {"cases": sum(tally.values()), "statuses": dict(sorted(by_status.items())),
-              "by_kind": {f"{k} {s}": n for (k, s), n in sorted(tally.items(), key=str)},
-              "rss_mib_before": rss0, "rss_mib_after": rss1, "seconds": round(seconds, 1),
-              "server_exit": code, "schemathesis": note, "findings": findings}
+    return {"server": health["method"], "cases": sum(tally.values()), "statuses": dict(sorted(by_status.items())),
+            "by_kind": {f"{k} {s}": n for (k, s), n in sorted(tally.items(), key=str)},
+            "rss_mib_before": health["rss_mib"], "rss_mib_after": rss1, "seconds": round(seconds, 1),
+            "server_exit": code, "schemathesis": note, "findings": findings}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engines", type=Path)
+    ap.add_argument("--cases", type=int, default=300, help="hypothesis examples per endpoint (default 300)")
+    ap.add_argument("--seed", type=int, default=0, help="hypothesis's seed (the same seed sends the same bodies)")
+    ap.add_argument("--max-num-seqs", type=int, metavar="N",
+                    help="fuzz the batched server (`specrt serve --max-num-seqs N`, engines built with --batch)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    report = fuzz(a.engines, a.cases, a.seed, a.max_num_seqs)
     print(json.dumps({k: v for k, v in report.items() if k != "by_kind"}, indent=2))
     if a.json:
         a.json.write_text(json.dumps(report, indent=2))
-    return 1 if findings or code != 0 else 0
+    return 1 if report["findings"] or report["server_exit"] != 0 else 0
 
 
 if __name__ == "__main__":
