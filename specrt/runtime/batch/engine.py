@@ -103,6 +103,7 @@ class BatchEngine:
     def step(self) -> bool:
         """One iteration (see the module docstring). Returns False when there was nothing to do."""
         self._drop_cancelled()
+        self._evict()           # a row cancelled or timed out leaves now: no round, its reason kept, its row free
         self._admit()
         did = False
         if self.rows:

@@ -1,13 +1,14 @@
 """How a batched request ends when something goes wrong around it: a step that raises fails
 every request (running, being prefilled, waiting), so no caller waits for ever; a request
-cancelled or timed out during its prompt's prefill ends there and frees its row; the queue
+cancelled or timed out during its prompt's prefill, or between two of its rounds, ends there
+(no further chunk or round, its reason kept) and frees its row at once; the queue
 admits exactly max_num_seqs + max_queue requests. The engine thread only steps when a test
 lets it (fake_batch.StepGate, hold_until_added), and deadlines run on a fake clock."""
 from __future__ import annotations
 
 import pytest
 from fake_batch import StepGate, hold_until_added
-from test_batch_engine import PROMPTS, make_engine, reference, submit
+from test_batch_engine import PROMPTS, drain, make_engine, reference, submit
 
 from specrt.errors import OverloadedError, SpecrtError
 from specrt.runtime.batch.generator import BatchGenerator
@@ -65,8 +66,9 @@ def test_a_request_ended_during_its_prefill_ends_then_with_no_tokens_and_frees_i
     eng.step()
     assert long.done is not None and long.done.finish_reason == how
     assert long.done.completion_tokens == 0 and long.tokens == [] and long.done.prompt_tokens == len(long_prompt)
-    assert eng.stats.prefill_chunks == chunks and eng.pending is None      # none of its chunks ran after
-    eng.step()                                           # the waiting request takes row 1
+    # none of its chunks ran after: the one chunk of this step is the waiting request's, which
+    # took row 1 in the same step (its prompt fits one chunk, so it already runs there)
+    assert eng.stats.prefill_chunks == chunks + 1 and eng.pending is None
     assert [r.req.sink for r in eng.rows] == [short, after]
     drain_steps = 0
     while not eng.idle():
@@ -103,3 +105,27 @@ def test_the_queue_admits_exactly_max_num_seqs_plus_max_queue_requests(rows, max
     finally:
         gate.free()
         g.close()
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timeout"])
+def test_a_running_request_ended_between_steps_gets_no_further_round_and_keeps_its_reason(how):
+    """Cancelled (or past its deadline) after its round of step s, a running row leaves at step
+    s + 1 before any round: no token is added, its reason is not overwritten by the budget it
+    would have reached in that round ("length"), and its row is free for the request waiting in
+    that same step."""
+    now = [0.0]
+    eng, lm = make_engine(1, costs=None, draft=False, lookup=False, clock=lambda: now[0])   # one token a round
+    run = submit(eng, PROMPTS[0], 4, ignore_eos=True, deadline=5.0 if how == "timeout" else None)
+    while len(run.tokens) < 3:                   # one token short of its budget
+        eng.step()
+    wait = submit(eng, PROMPTS[1], 5)
+    if how == "cancelled":
+        eng.rows[0].req.cancel()
+    else:
+        now[0] = 10.0
+    eng.step()
+    assert run.done is not None and (run.done.finish_reason, run.done.completion_tokens) == (how, 3)
+    assert len(run.tokens) == 3
+    assert eng.pending is not None and eng.pending.req.sink is wait    # admitted in the same step
+    drain(eng)
+    assert (wait.tokens, wait.done.finish_reason) == reference(lm, PROMPTS[1], 5)
