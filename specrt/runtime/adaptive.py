@@ -46,7 +46,36 @@ output identical to plain decoding.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from specrt.errors import ManifestError
+
+REBUILD = "the manifest was edited; rebuild the engines with this specrt (`specrt build` measures the step costs)"
+
+
+def positive_cost(v) -> bool:
+    """A step cost as a build writes it: a finite number above 0 (a bool is not a number)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def manifest_cost(v, field: str, fix: str = REBUILD) -> float:
+    """The cost at manifest field `field`, refused (ManifestError, saying `fix`) unless positive_cost."""
+    if not positive_cost(v):
+        raise ManifestError(f"{field}={v!r}: a step cost is a positive number of milliseconds; {fix}")
+    return float(v)
+
+
+def speculation_entry(speculation, key: str, fix: str = REBUILD) -> dict | None:
+    """build.speculation[key]: None when absent, a dict, or refused (ManifestError, saying `fix`)."""
+    if speculation is None:
+        return None
+    if not isinstance(speculation, dict):
+        raise ManifestError(f"build.speculation={speculation!r} is not an object; {fix}")
+    c = speculation.get(key)
+    if c is not None and not isinstance(c, dict):
+        raise ManifestError(f"build.speculation.{key}={c!r} is not an object; {fix}")
+    return c
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -69,18 +98,24 @@ class StepCosts:
     def __post_init__(self):
         for name in ("decode", "verify", "draft"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"step cost {name}={v!r} must be a positive number")
+            if not positive_cost(v):
+                raise ValueError(f"step cost {name}={v!r} must be a positive finite number")
 
     @classmethod
     def from_manifest(cls, speculation: dict | None) -> "StepCosts | None":
-        """The build's measured costs (`build.speculation.costs_ms`), or None when absent."""
-        c = (speculation or {}).get("costs_ms") or {}
-        try:
-            return cls(decode=float(c["target_decode"]), verify=float(c["target_verify"]),
-                       draft=float(c["draft_decode"]))
-        except (KeyError, TypeError, ValueError):
+        """The build's measured costs (`build.speculation.costs_ms`), or None when absent or
+        without a draft (a build without one times the target alone). A damaged value is
+        refused here, when the engines are opened (ManifestError), not in the decode loop."""
+        c = speculation_entry(speculation, "costs_ms") or {}
+        where = "build.speculation.costs_ms"
+        names = ("target_decode", "target_verify", "draft_decode")
+        got = {k: manifest_cost(c[k], f"{where}.{k}") for k in names if k in c}
+        if "draft_decode" not in got:
             return None
+        missing = [k for k in names if k not in got]
+        if missing:
+            raise ManifestError(f"{where} has draft_decode without {', '.join(missing)}; {REBUILD}")
+        return cls(decode=got["target_decode"], verify=got["target_verify"], draft=got["draft_decode"])
 
     def rate(self, a: float, k: int) -> float:
         """Expected tokens per unit time of a round with k drafts (k = 0: a plain step)."""

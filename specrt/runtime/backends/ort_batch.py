@@ -90,6 +90,7 @@ class OrtBatchModel:
         self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
                              else 0 for g in names}
         self.graph_tokens.update({a: self.graph_tokens[s] for a, s in alias.items()})
+        check_static_tokens(entry, shapes, self.graph_tokens, alias)
 
         # kernels whose one-row path rounds differently from their multi-row path (MatMulNBits with int8
         # compute) must never see a one-row call: the manifest says so (builder/gates/rows.py)
@@ -263,6 +264,22 @@ class OrtBatchModel:
         return entry[:6]
 
 
+def check_static_tokens(entry: ModelEntry, shapes: Shapes, graph_tokens: dict[str, int],
+                        alias: dict[str, str]) -> None:
+    """Refuse a graph with a static T (manifest dynamic_tokens false) that the engine would call
+    with another T: it runs a static prefill graph with prompt chunks of exactly prefill_chunk
+    tokens (runtime/batch/engine.py), and verify windows of up to k + 1 tokens (padded to a
+    static T); decode steps take the graph's T. graph_tokens: engine graph -> T (0: dynamic)."""
+    want = {"prefill": (shapes.prefill_chunk, "exactly"), "verify": (shapes.k + 1, "up to")}
+    for g, (need, how) in want.items():
+        T = graph_tokens.get(g, 0)
+        if T and (T < need or (how == "exactly" and T != need)):
+            raise ManifestError(
+                f"models.{entry.role}.graphs.{alias.get(g, g)} has a static T of {T} tokens (dynamic_tokens false or "
+                f"absent), but the batched engine runs its {g} calls with {how} {need} tokens a row: the manifest was "
+                "edited or belongs to other shapes; rebuild the engines with `specrt build ... --batch`")
+
+
 def check_multi_token_rows(limit: int | None, n: int, T: int) -> None:
     """Refuse n rows of T > 1 tokens where the kernels run several tokens for at most `limit`
     rows (ONNX Runtime's CPU GroupQueryAttention: 1; None: no limit)."""
@@ -313,4 +330,4 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
                            "(`specrt inspect` lists it), or rebuild them") from e
 
 
-__all__ = ["BatchKV", "OrtBatchModel", "batch_graphs", "check_multi_token_rows", "ORT_TYPES"]
+__all__ = ["BatchKV", "OrtBatchModel", "batch_graphs", "check_multi_token_rows", "check_static_tokens", "ORT_TYPES"]

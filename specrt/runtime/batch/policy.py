@@ -25,11 +25,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from specrt.runtime.adaptive import expected_tokens
+from specrt.errors import ManifestError
+from specrt.runtime.adaptive import expected_tokens, manifest_cost, speculation_entry
 from specrt.runtime.proposers.base import Proposer
 from specrt.runtime.rounds import RoundKind
 
 NONE = np.zeros(0, np.int64)
+REBUILD = ("the manifest was edited; rebuild the engines with `specrt build ... --batch` (it measures the batched "
+           "step costs)")
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,20 @@ class BatchCosts:
 
     @classmethod
     def from_manifest(cls, speculation: dict | None) -> "BatchCosts | None":
-        c = (speculation or {}).get("batch_costs_ms")
-        if not c:
+        """The build's `build.speculation.batch_costs_ms` ({"target": {"T": {"n": ms}}, "draft":
+        {"n": ms}}, JSON keys), or None when absent. A damaged table (an empty one, a count that
+        is not a positive integer, a cost that is not a positive finite number) is refused here,
+        when the engine is opened (ManifestError), never at a request's first step."""
+        where = "build.speculation.batch_costs_ms"
+        c = speculation_entry(speculation, "batch_costs_ms", REBUILD)
+        if c is None:
             return None
-        try:
-            return cls(c["target"], c.get("draft"))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
+        if not isinstance(c.get("target"), dict) or not c["target"]:
+            raise ManifestError(f"{where}.target={c.get('target')!r}: expected {{T: {{rows: ms}}}}; {REBUILD}")
+        target = {_count(T, f"{where}.target"): _table(by_n, f"{where}.target.{T}")
+                  for T, by_n in c["target"].items()}
+        draft = None if c.get("draft") is None else _table(c["draft"], f"{where}.draft")
+        return cls(target, draft)
 
     def target(self, n: int, T: int) -> float:
         Ts = sorted(self._target)
@@ -71,6 +81,22 @@ class BatchCosts:
 
     def draft(self, n: int) -> float | None:
         return _interp(self._draft, n) if self._draft else None
+
+
+def _count(key, where: str) -> int:
+    """A table key: a positive integer (a token or row count), as an int or as JSON's string."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and not key.startswith("0"):
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key > 0:
+        return key
+    raise ManifestError(f"{where} has the key {key!r}: counts are positive integers; {REBUILD}")
+
+
+def _table(by_n, where: str) -> dict[int, float]:
+    """{rows: ms} with at least one entry, each a positive count and a positive finite cost."""
+    if not isinstance(by_n, dict) or not by_n:
+        raise ManifestError(f"{where}={by_n!r}: expected {{rows: ms}} with at least one entry; {REBUILD}")
+    return {_count(n, where): manifest_cost(v, f"{where}.{n}", REBUILD) for n, v in by_n.items()}
 
 
 def _interp(by_n: dict[int, float], n: int) -> float:
@@ -83,6 +109,11 @@ def _interp(by_n: dict[int, float], n: int) -> float:
     hi = min([x for x in ns if x > n], default=ns[-1])
     if lo == hi:                      # beyond the measured range: extend the last segment
         lo, hi = (ns[-2], ns[-1]) if n > ns[-1] else (ns[0], ns[1])
+        v = by_n[lo] + (by_n[hi] - by_n[lo]) * (n - lo) / (hi - lo)
+        # a segment whose slope is timing noise (8 rows measured faster than 4) would reach 0 ms and
+        # below: more rows never cost less than the largest count measured, fewer never less than
+        # the smallest count's cost in proportion (positive, so every rate is finite)
+        return max(v, by_n[ns[-1]]) if n > ns[-1] else max(v, by_n[ns[0]] * n / ns[0])
     return by_n[lo] + (by_n[hi] - by_n[lo]) * (n - lo) / (hi - lo)
 
 

@@ -251,7 +251,7 @@ def test_cost_interpolation_between_measured_row_counts():
     c = BatchCosts({1: {1: 10.0, 4: 16.0, 8: 24.0}})
     assert c.target(1, 1) == 10.0 and c.target(2, 1) == pytest.approx(12.0) and c.target(6, 1) == pytest.approx(20.0)
     assert c.target(16, 1) == pytest.approx(40.0)       # beyond: the last segment extended
-    assert BatchCosts.from_manifest({}) is None and BatchCosts.from_manifest({"batch_costs_ms": {"x": 1}}) is None
+    assert BatchCosts.from_manifest({}) is None     # damaged tables: test_manifest_costs_validation.py
 
 
 def _exact_triples(lm, prompt, params):
