@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 
 from specrt.errors import SamplingParamsError
 from specrt.runtime.metrics import Metrics
+from specrt.runtime.prompt import check_stop_token_ids
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import IncrementalDecoder
 
@@ -48,7 +49,8 @@ class TextStreaming:
         says which: "eos", "stop", "length", "max_context"). ignore_eos: EOS is a token like any
         other (generation runs to the budget; its text is empty when it is a special token)."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
-        text = TextTail(self.tokenizer, stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        text = TextTail(self.tokenizer, stop, stop_token_ids=check_stop_token_ids(stop_token_ids, self.vocab),
+                        ignore_eos=ignore_eos)
         gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram)
         with closing(gen):
             for e in gen:

@@ -3,7 +3,8 @@
     AllowedHosts   the Host header names this server (DNS rebinding: a web page whose
                    domain resolves to 127.0.0.1 sends its own domain as Host)   -> 400
     (CORS)         starlette's CORSMiddleware, only with --cors-origin
-    ApiKey         `Authorization: Bearer KEY`, compared in constant time; /health stays
+    ApiKey         `Authorization: Bearer KEY`: the scheme in any letter case (RFC 7235),
+                   the key exactly, compared in constant time; /health stays
                    open for load balancers                                        -> 401
     BodyLimit      the body is read here, at most `max_bytes` of it, and replayed to
                    the app (FastAPI buffers JSON bodies anyway)                   -> 413
@@ -88,13 +89,19 @@ class AllowedHosts:
 
 class ApiKey:
     def __init__(self, app, key: str):
-        self.app, self.expected = app, b"Bearer " + key.encode("utf-8")
+        self.app, self.key = app, key.encode("utf-8")
+
+    def valid(self, given: bytes) -> bool:
+        """`Bearer KEY`: RFC 7235 makes the scheme's name case-insensitive and lets one or more
+        spaces follow it; the key itself must be exact (letter case, no whitespace around it)."""
+        scheme, _, key = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.lstrip(b" "), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         given = _header(scope, b"authorization") or b""
-        if not hmac.compare_digest(given, self.expected):
+        if not self.valid(given):
             what = "no API key was sent" if not given else "the API key is not valid"
             return await _refuse(send, 401, f"{what}: send the server's key as the header 'Authorization: Bearer "
                                  "KEY' (the OpenAI clients' api_key); the server was started with --api-key or "

@@ -1,4 +1,5 @@
-"""OpenAI wire format: request types (pydantic, strict) and response bodies (dicts).
+"""OpenAI wire format: request bodies (`parse_json`, then pydantic types, strict) and response
+bodies (dicts).
 
 Only the fields specrt can honour are typed (OpenAI's, and vLLM's `top_k`, `min_p`,
 `stop_token_ids`, `ignore_eos`); a known OpenAI or vLLM field it cannot honour (`echo`,
@@ -9,9 +10,12 @@ Strict mode: `"max_tokens": "5"` or `"stream": "yes"` is a 400, not a coercion.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from specrt.serve.errors import RequestError
 
 
 def _unicode_text(s: str) -> str:
@@ -63,7 +67,7 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Text      # checked with the Python APIs' check (runtime/prompt.py CHAT_ROLES) in validation.py
     content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
@@ -75,6 +79,64 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)   # the newer name of max_tokens
+
+
+# --- request bodies -----------------------------------------------------------------
+
+MAX_JSON_DEPTH = 64     # nesting of arrays and objects; an OpenAI request needs fewer than 10
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body -> its JSON object; anything else is one RequestError (400, code
+    "invalid_json") saying what is wrong: not UTF-8, not JSON, NaN or Infinity (not JSON,
+    though Python's parser takes them), an integer past Python's digit limit, nesting past
+    MAX_JSON_DEPTH, or a value that is not an object."""
+    try:
+        text = raw.decode("utf-8-sig")      # RFC 8259: UTF-8; a leading byte order mark may be ignored
+    except UnicodeDecodeError as e:
+        raise _not_json(f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise _not_json(f"is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise _not_json(f"nests arrays or objects more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:                 # _no_constant, or an integer of more digits than Python converts
+        raise _not_json(str(e) if isinstance(e, _Constant) else f"has an integer of more than "
+                        f"{sys.get_int_max_str_digits()} digits: send it as a string, or a smaller number") from None
+    if not isinstance(obj, dict):
+        raise _not_json(f"is a JSON {_JSON_KIND.get(type(obj), 'value')}, not an object: send the request's "
+                        "fields as one object, e.g. {\"prompt\": \"...\"}")
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise _not_json(f"nests arrays or objects more than {MAX_JSON_DEPTH} levels deep")
+    return obj
+
+
+class _Constant(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    raise _Constant(f"has {name}, which is not JSON (RFC 8259 has no NaN or Infinity): send a finite number")
+
+
+_JSON_KIND = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _not_json(what: str) -> RequestError:
+    return RequestError(f"the request body {what}", code="invalid_json")
+
+
+def _depth(obj) -> int:
+    """The deepest nesting of arrays and objects in parsed JSON (iterative: no recursion limit)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:         # deeper is refused anyway: stop walking
+                stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 # --- responses ----------------------------------------------------------------------

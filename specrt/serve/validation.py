@@ -4,15 +4,19 @@ Everything that can be refused is refused here, before a worker is taken: fields
 specrt cannot honour, sampling ranges, the model name, and prompts that do not fit
 the engines' static context. The prompt is tokenized here with the validator's own
 tokenizer (never a worker's generator), exactly as `SpeculativeGenerator.encode_prompt`
-does, so the server and `specrt generate` see the same token ids. A text too long to
+does, so the server and `specrt generate` see the same token ids; what the Python APIs
+check too (roles, token ids, stop ids) is checked by the same functions (runtime/prompt.py),
+whose typed error becomes a 400 naming the field. A text too long to
 fit is refused by its size before it is tokenized (see `max_prompt_bytes`): tokenizing
 megabytes only to refuse them would hold a core (and the GIL) for seconds.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from specrt.errors import SamplingParamsError, SpecrtError
+from specrt.runtime.prompt import chat_messages, check_stop_token_ids, check_token_ids
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.serve.errors import ModelNotFoundError, RequestError
@@ -93,10 +97,8 @@ class Validator:
         if isinstance(p, str):
             ids = self._encode(p, "prompt")
         else:
-            ids = list(p)
-            if ids and (min(ids) < 0 or max(ids) >= self.vocab):
-                raise RequestError(f"prompt token ids must lie in [0, {self.vocab}); encode the prompt with "
-                                   "this model's tokenizer, or send text", param="prompt")
+            with _field("prompt"):
+                ids = check_token_ids(list(p), self.vocab)
         return self._finish(req, ids, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "completion")
 
     def chat(self, req: ChatCompletionRequest) -> GenerationRequest:
@@ -105,15 +107,12 @@ class Validator:
                 and req.max_tokens != req.max_completion_tokens:
             raise RequestError("max_tokens and max_completion_tokens disagree; send one of them",
                                param="max_completion_tokens")
-        # "developer" is OpenAI's newer name for "system"; chat templates know only "system"
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        with _field("messages"):
+            messages = chat_messages([{"role": m.role, "content": m.text()} for m in req.messages])
         self._check_size(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
                              if isinstance(m["content"], str)), "messages")
-        try:
+        with _field("messages"):
             ids = self.tok.encode_chat(messages)   # control tokens typed in messages are encoded as text
-        except SpecrtError as e:
-            raise RequestError(str(e), param="messages") from None
         return self._finish(req, ids, req.max_completion_tokens or req.max_tokens, None, "chat")
 
     # -----------------------------------------------------------------------------------
@@ -154,13 +153,20 @@ class Validator:
                                       top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0, seed=req.seed)
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
-        stop_ids = tuple(req.stop_token_ids or ())
-        if any(not 0 <= t < self.vocab for t in stop_ids):
-            raise RequestError(f"stop_token_ids must lie in [0, {self.vocab}), this model's vocabulary",
-                               param="stop_token_ids")
+        with _field("stop_token_ids"):
+            stop_ids = tuple(sorted(check_stop_token_ids(req.stop_token_ids or (), self.vocab)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return GenerationRequest(kind, tuple(ids), max_tokens, sampling, tuple(s for s in stop if s),
                                  bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos))
+
+
+@contextmanager
+def _field(param: str):
+    """A typed error of the runtime's checks (the Python APIs raise the same) -> a 400 naming `param`."""
+    try:
+        yield
+    except SpecrtError as e:
+        raise RequestError(str(e), param=param, code="invalid_value") from None
 
 
 def _short(value) -> str:

@@ -233,6 +233,19 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(guarded):
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
+def test_a_chunked_body_sent_in_many_small_pieces_is_limited_by_its_total(guarded):
+    """Over real HTTP (Transfer-Encoding: chunked, 64-byte pieces): the limit is on the sum; the
+    exact count of pieces the guard reads is checked in-process (test_guard_requests.py)."""
+    def pieces(text: str):
+        body = json.dumps({"prompt": text, "max_tokens": 2}).encode()
+        return (body[i:i + 64] for i in range(0, len(body), 64))
+    headers = {"authorization": "Bearer s3cret-key", "content-type": "application/json"}
+    r = httpx.post(guarded.url + "/v1/completions", content=pieces("w " * 2100), headers=headers, timeout=WAIT_S)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    r = httpx.post(guarded.url + "/v1/completions", content=pieces("w " * 20), headers=headers, timeout=WAIT_S)
+    assert r.status_code == 200 and r.request.headers["transfer-encoding"] == "chunked", r.text
+
+
 def test_a_client_that_trickles_its_headers_is_disconnected(guarded):
     host, port = guarded.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=8) as s:     # the default read timeout is 15 s

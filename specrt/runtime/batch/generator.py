@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 from specrt.errors import ConfigError, ManifestError, OverloadedError, SpecrtError
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.request import Delta, Done, Failed, Request
-from specrt.runtime.prompt import check_request, encode_prompt
+from specrt.runtime.prompt import check_request, check_stop_token_ids, encode_prompt
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.text import Chunk, Completion, _stop_strings, stop_token_set
 
@@ -106,7 +106,7 @@ class BatchGenerator:
         ids = encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
         ids = check_request(ids, max_new_tokens, eng.max_context, eng.vocab)
         stops = tuple(_stop_strings(stop))
-        stop_ids = stop_token_set(stop_token_ids, ignore_eos)
+        stop_ids = stop_token_set(check_stop_token_ids(stop_token_ids, eng.vocab), ignore_eos)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need the engine's tokenizer")
         q = queue.SimpleQueue() if sink is None else None
