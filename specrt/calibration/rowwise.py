@@ -9,8 +9,9 @@ Each MatMul whose B is a constant [K, N] weight becomes:
                                     (y = s * ws * Σ_k (xq - 128) Wq, accumulated in int32)
 
 Why this and not the builds' quantizers (batch invariance, issue 15):
-- the integer sum is exact, so whichever kernel MLAS picks for the call (AMX tiles, AVX-512
-  VNNI, the one-row path) and however many rows share it, each row's output is the same bits:
+- the integer sum is exact (7-bit weights: see WEIGHT_MAX), so whichever kernel MLAS picks for
+  the call (AMX tiles, AVX-512 VNNI, AVX2, the one-row path) and however many rows share it,
+  each row's output is the same bits:
   decode (T=1), verify (T=k+1) and any batch agree by construction;
 - `quantize_dynamic` quantizes activations with ONE scale per tensor: a row's result depends
   on the other rows of the call (its output is neither batch- nor window-invariant);
@@ -30,11 +31,19 @@ MS = "com.microsoft"
 OPSET = 18          # ReduceMax with axes as an input
 
 
+# |q| <= 63 (7 bits): on x86 CPUs without VNNI (AVX2 only: AMD Zen 1-3, Intel before Cascade
+# Lake) MLAS's u8 x s8 kernel adds pairs of products in int16 (vpmaddubsw), which saturates once
+# 255 * |w| * 2 > 32767: with |w| <= 127 a sum was off by up to 17% there (measured on an AVX2
+# EPYC), silently. 255 * 63 * 2 = 32130 fits, so the integer sum is exact on every CPU (the
+# same reason as quantize_dynamic's reduce_range).
+WEIGHT_MAX = 63
+
+
 def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[K, N] float -> (int8 [K, N], scale [N]): symmetric per output channel, |q| <= 127."""
-    scale = np.abs(w).max(axis=0) / 127.0
+    """[K, N] float -> (int8 [K, N], scale [N]): symmetric per output channel, |q| <= WEIGHT_MAX."""
+    scale = np.abs(w).max(axis=0) / WEIGHT_MAX
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale
+    return np.clip(np.round(w / scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8), scale
 
 
 def quantize_model(model: onnx.ModelProto, exclude: set[str] = frozenset()) -> int:
