@@ -95,18 +95,19 @@ test: venv $(ENGINES)/manifest.json
 clean:
 	rm -rf artifacts .pytest_cache
 
-# mutation testing, not part of `make test`: mutmut mutates runtime/sampling.py and
-# runtime/loop.py and runs the fast runtime tests against each mutant; the tiny engines are
-# built once into .cache/tiny-engines and reused by every mutant. MUTANTS restricts the run
-# to some functions, e.g. MUTANTS='specrt.runtime.sampling.x_verify_sampled*'. Afterwards:
-# `$(BIN)/mutmut results` lists the survivors, `$(BIN)/mutmut show NAME` shows one.
+# mutation testing, not part of `make test`: mutmut mutates the files under [tool.mutmut] in
+# pyproject.toml (the accept rule and decode loop, the batched engine, choice and policy, the
+# server's guard and validation, the manifest's confinement, --out handling) and runs, for each
+# mutant, the selected tests that reach the mutated function; the tiny engines are built once
+# into .cache/tiny-engines and reused by every mutant. MUTANTS restricts the run to some
+# functions, e.g. MUTANTS='specrt.serve.guard*'. The score per file is printed at the end
+# (scripts/mutation_report.py; --survivors lists them); `$(BIN)/mutmut show NAME` shows one.
 MUTANTS ?=
 .PHONY: mutation
 mutation: $(VENV)/.mutation
 	rm -rf mutants
 	SPECRT_TINY_CACHE=$(CURDIR)/.cache/tiny-engines $(BIN)/mutmut run --max-children 2 $(MUTANTS)
-	$(BIN)/mutmut results --all true | awk '{print $$2}' | sort | uniq -c
-	$(BIN)/mutmut results
+	$(BIN)/python scripts/mutation_report.py
 $(VENV)/.mutation: pyproject.toml | $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[mutation]'
 	touch $@

@@ -25,6 +25,15 @@ def wait_for(cond, what: str, timeout: float = WAIT_S):
     raise AssertionError(f"gave up waiting for {what}")
 
 
+def _asgi(app):
+    """`app` as a plain ASGI function. uvicorn probes for an app factory by calling its app with
+    no arguments and expects a TypeError; under `make mutation` the guard's __call__ is mutmut's
+    (*args, **kwargs) trampoline, which raises none, and uvicorn would serve the coroutine made."""
+    async def asgi(scope, receive, send):
+        return await app(scope, receive, send)
+    return asgi
+
+
 class LiveServer:
     def __init__(self, engines, factory=None, **cfg):
         self.cfg = ServeConfig(str(engines), port=0, **cfg)
@@ -32,7 +41,7 @@ class LiveServer:
         self.pool.start()
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn_config(self.app, self.cfg)     # the limits `specrt serve` runs with
+        config = uvicorn_config(_asgi(self.app), self.cfg)     # the limits `specrt serve` runs with
         config.timeout_graceful_shutdown = 5
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
