@@ -250,3 +250,29 @@ def test_the_one_request_generator_refuses_damaged_costs_when_it_opens(tiny_batc
     root = _edited(tiny_batch_rows_engines, tmp_path / "e", edit)
     with pytest.raises(ManifestError, match=field + r".*rebuild the engines"):
         SpeculativeGenerator(root)
+
+
+@pytest.mark.parametrize("capacity", [-1, +1, 1000])
+def test_open_batch_refuses_a_max_context_the_batched_graph_was_not_built_for(tiny_batch_rows_engines, tmp_path,
+                                                                               capacity):
+    """shapes.max_context edited alone: the batched graph's cache inputs have the built capacity,
+    so the model refuses at open (it reached ONNX Runtime at the first request)."""
+    from specrt.errors import GraphFileError
+    from specrt.runtime.batch.generator import open_batch
+    man = json.loads((tiny_batch_rows_engines / "manifest.json").read_text())
+    edit = _set("shapes", "max_context", value=man["shapes"]["max_context"] + capacity if capacity != 1000 else 1000)
+    root = _edited(tiny_batch_rows_engines, tmp_path / "e", edit)
+    with pytest.raises((GraphFileError, ManifestError), match=r"past_k_0|max_context|capacity"):
+        open_batch(root, max_num_seqs=2)
+
+
+def test_open_batch_runs_a_manifest_whose_optional_build_object_is_null(tiny_batch_rows_engines, tmp_path):
+    """`build` is optional (manifest.load accepts null): the batched engine then has no measured
+    costs and runs plain steps, with the same greedy tokens."""
+    from specrt.runtime.batch.generator import open_batch
+    root = _edited(tiny_batch_rows_engines, tmp_path / "e", _set("build", value=None))
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=2) as gen:
+        want = gen.generate("Name three colours.", chat=True, max_new_tokens=6).tokens
+    with open_batch(root, max_num_seqs=2) as gen:
+        assert gen.engine.policy.costs is None
+        assert gen.generate("Name three colours.", chat=True, max_new_tokens=6).tokens == want

@@ -104,7 +104,7 @@ class OrtBatchModel:
             f = self._file_of[g]
             if f not in self._sessions:
                 self._sessions[f] = _session(root / f, threads)
-                _check_signature(self._sessions[f], root / f, entry, dt)
+                _check_signature(self._sessions[f], root / f, entry, dt, shapes.kv_capacity)
         # graphs built before logit_pos existed return every position: the positions are picked here
         self.has_positions = {f: any(i.name == LOGIT_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
         # "rows" graphs read the first L cache positions, L = kv_pos's length: the longest row's
@@ -288,17 +288,20 @@ def check_multi_token_rows(limit: int | None, n: int, T: int) -> None:
                            f"tokens per row for at most {limit} row(s) on the CPU")
 
 
-def _check_signature(session, path: Path, entry: ModelEntry, dt: dict) -> None:
+def _check_signature(session, path: Path, entry: ModelEntry, dt: dict, capacity: int) -> None:
     """The graph's tensors are the manifest's: the names, dtypes and static dims (KV heads, head
-    size, vocabulary; rows, tokens and cache length are symbolic), as ort_cpu checks its graphs.
-    logit_pos and kv_pos are the graph's own optional inputs."""
+    size, vocabulary, and the cache capacity where the graph fixes it: shapes.max_context edited
+    alone must not reach ONNX Runtime; rows and tokens are symbolic), as ort_cpu checks its
+    graphs. logit_pos and kv_pos are the graph's own optional inputs."""
     io, d = entry.io, entry.dims
-    kv = (None, int(d["kv_heads"]), None, int(d["head_dim"]))      # [rows, KVH, capacity or T, D]
+    past = (None, int(d["kv_heads"]), capacity, int(d["head_dim"]))     # [rows, KVH, capacity, D]
+    new = (None, int(d["kv_heads"]), None, int(d["head_dim"]))          # [rows, KVH, T, D] (copied back)
     out_kv = ("present_key", "present_value") if entry.in_place else ("new_key", "new_value")
     inputs = {io["input_ids"]: ((), dt["input_ids"]), io["past_len"]: ((), dt["past_len"]),
-              **{io[k] % i: (kv, dt["kv"]) for i in range(entry.layers) for k in ("past_key", "past_value")}}
+              **{io[k] % i: (past, dt["kv"]) for i in range(entry.layers) for k in ("past_key", "past_value")}}
     outputs = {io["logits"]: ((None, None, int(d["vocab"])), dt["logits"]),
-               **{io[k] % i: (kv, dt["kv"]) for i in range(entry.layers) for k in out_kv}}
+               **{io[k] % i: (past if entry.in_place else new, dt["kv"]) for i in range(entry.layers)
+                  for k in out_kv}}
     for kind, want, have in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
         got = {t.name: (tuple(t.shape), t.type) for t in have if t.name not in (LOGIT_POS, KV_POS)}
         if set(got) != set(want):

@@ -255,7 +255,7 @@ def _policy(root, man, entry, speculate: bool):
     from specrt.runtime.ngrams import NgramTable
     from specrt.runtime.proposers import Chain, OneGram, PromptLookup, TableGuess
     k = man.shapes.k
-    costs = BatchCosts.from_manifest(man.build.get("speculation"))
+    costs = BatchCosts.from_manifest((man.build or {}).get("speculation"))     # build: optional
     windows = entry.parity.get("window_invariance") or {}
     if windows.get("equal") is not True:
         return BatchPolicy(None, k), 1
