@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specrt.calibration import rowwise
 from specrt.calibration.quantize import QuantSpec, quantize_graph
+from specrt.runtime.backends.ort_cpu import session_options
 
 K, N, M = 256, 64, 4
 
@@ -28,7 +29,8 @@ def _matmul(w: np.ndarray) -> onnx.ModelProto:
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(2), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
 
 
 def test_rowwise_weights_stay_in_seven_bits():

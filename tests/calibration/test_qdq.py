@@ -14,6 +14,7 @@ from specrt import manifest as mf
 from specrt.builder import qdq_engine
 from specrt.calibration import qdq, qdq_rules
 from specrt.errors import ConfigError, SpecrtError
+from cpu_features import AVX2_ONLY_REASON, INT8_DOT
 
 SMALL = qdq.QDQSpec(prompts=3, eval_prompts=2, decode_steps=6)
 
@@ -47,6 +48,7 @@ def test_output_passes_tensorrt_rules(qdq_out):
                 assert consts[n.input[1]].size == 1          # activations per tensor
 
 
+@pytest.mark.xfail(not INT8_DOT, reason="static Q/DQ int8 on ONNX Runtime's CPU: " + AVX2_ONLY_REASON, strict=True)
 def test_parity_is_stated_and_close_on_the_tiny_model(qdq_out):
     out, man = qdq_out
     saved = mf.load(out).target

@@ -15,6 +15,10 @@ from tiny_models import make_tiny_model_dir
 from specrt.export import onnx_export, sources
 from specrt.manifest import Shapes
 from specrt.runtime.backends.ort_cpu import session_options
+from cpu_features import AVX2_ONLY_REASON, INT8_DOT
+
+# MatMulNBits with int8 compute: its rows are invariant with VNNI/AMX kernels only
+AVX2_XFAIL = pytest.mark.xfail(not INT8_DOT, reason=AVX2_ONLY_REASON, strict=True)
 
 SHAPES = Shapes(batch=1, max_context=64, prefill_chunk=16, k=3)     # kv capacity M = 80
 LAYERS = 2
@@ -228,8 +232,8 @@ def quantized(exports, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name,op", [("int4", "MatMulNBits"), ("int8-dynamic", "DynamicQuantizeMatMul"),
-                                     ("rowwise", "MatMulIntegerToFloat")])
+@pytest.mark.parametrize("name,op", [pytest.param("int4", "MatMulNBits", marks=AVX2_XFAIL),
+                                     ("int8-dynamic", "DynamicQuantizeMatMul"), ("rowwise", "MatMulIntegerToFloat")])
 def test_quantizers_keep_the_symbolic_dims(quantized, name, op):
     proto = onnx.load(str(quantized[name]), load_external_data=False)
     ops = {n.op_type for n in proto.graph.node}
@@ -251,7 +255,7 @@ def _rows_alone(sess, ids, lens, caches):
     return [sess.run(None, _feeds(ids[b:b + 1], lens[b:b + 1], [c[b:b + 1] for c in caches])) for b in range(len(lens))]
 
 
-@pytest.mark.parametrize("name,T", [("rowwise", 1), ("rowwise-standard", 4), ("int4", 1)])
+@pytest.mark.parametrize("name,T", [("rowwise", 1), ("rowwise-standard", 4), pytest.param("int4", 1, marks=AVX2_XFAIL)])
 def test_quantized_rows_are_batch_invariant_bit_for_bit(quantized, name, T):
     """Row-wise int8 sums integers exactly; MatMulNBits with int8 compute quantizes each row (in
     blocks) on its own: a row's logits and K/V do not depend on the rows beside it."""
@@ -272,7 +276,7 @@ def test_rowwise_int8_is_one_scale_per_row_and_per_channel_weights():
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((64, 48)) * 0.1).astype(np.float32)
     q, ws = rowwise.quantize_weight(w)
-    assert q.dtype == np.int8 and np.abs(q).max() == 127 and ws.shape == (48,)
+    assert q.dtype == np.int8 and np.abs(q).max() == rowwise.WEIGHT_MAX and ws.shape == (48,)
     assert np.abs(q * ws - w).max() <= ws.max() / 2 + 1e-7
     g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", 64])],
