@@ -131,6 +131,20 @@ def cmd_quality(a) -> int:
     return 0
 
 
+def cmd_check_modes(a) -> int:
+    from specrt.tools.modes import format_table, held_out_check
+    if a.json:
+        _check_output_file(a.json)
+    report = held_out_check(a.engines, prompt_file=a.prompt_file, n_prompts=a.prompts,
+                            max_new_tokens=a.max_new_tokens, rows=a.rows, temperature=a.temperature, seed=a.seed,
+                            threads=a.threads)
+    print(format_table(report))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["equal"] else 1
+
+
 def cmd_serve(a) -> int:
     try:
         from specrt.serve.server import ServeConfig, serve
@@ -309,6 +323,22 @@ def make_parser() -> argparse.ArgumentParser:
                    "(`quality`, with the reference and prompts), where `specrt inspect` shows it")
     q.set_defaults(fn=cmd_quality)
 
+    cm = sub.add_parser("check-modes", help="one engine folder through every way of calling it (generate, the "
+                        "Python API, threads, open_batch, the server, the Triton model): greedy and a seeded sample "
+                        "equal to plain decoding? Exit 1 when any differ")
+    cm.add_argument("engines", help="folder written by `specrt build`")
+    cm.add_argument("--prompts", type=_positive_int, default=12, help="held-out prompts to check")
+    cm.add_argument("--prompt-file", metavar="FILE", help=".jsonl (a \"prompt\" field) or one prompt per line; "
+                    "its held-out part is used (default: the shipped calibration set)")
+    cm.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens per answer at most")
+    cm.add_argument("--rows", type=_row_counts, default="1,8", metavar="R,R",
+                    help="batched modes (open_batch, server --max-num-seqs, Triton max_num_seqs) at these row counts")
+    cm.add_argument("--temperature", type=float, default=0.8, help="temperature of the seeded sample")
+    cm.add_argument("--seed", type=int, default=7, help="seed of the seeded sample")
+    cm.add_argument("--threads", type=_positive_int, default=2, help="ONNX Runtime threads per engine")
+    cm.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    cm.set_defaults(fn=cmd_check_modes)
+
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     sv.add_argument("engines", help="folder written by `specrt build`")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -421,6 +451,16 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be >= 1")
     return v
+
+
+def _row_counts(text: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of row counts, e.g. 1,8") from None
+    if not rows or any(not 1 <= r <= 256 for r in rows):
+        raise argparse.ArgumentTypeError(f"{text!r}: give row counts in [1, 256], e.g. 1,8")
+    return rows
 
 
 if __name__ == "__main__":
