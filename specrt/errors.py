@@ -25,6 +25,11 @@ class ManifestError(SpecrtError):
     """A manifest is missing, corrupt, from another version/device, or does not match the request."""
 
 
+class Int8KernelsError(ManifestError):
+    """Quantized engines built on a CPU whose int8 kernels round differently from this CPU's:
+    the build's exactness gates do not hold here; rebuild the engines on this machine."""
+
+
 class GraphFileError(ManifestError):
     """A graph or weight file named by the manifest is missing or corrupt."""
 

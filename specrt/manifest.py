@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specrt import __version__
-from specrt.errors import ManifestError
+from specrt.cpu_features import int8_kernels
+from specrt.errors import Int8KernelsError, ManifestError
 # the files a manifest names (confinement to the folder, existence, hashes): re-exported here
 from specrt.manifest_files import VERIFY_MODES, HashCheck, artifact_files, check_files, confine, sha256_file  # noqa: F401
 
@@ -403,7 +404,10 @@ def _check_initializers(path: Path, role: str, m: ModelEntry) -> None:
 
 
 def this_device() -> dict:
-    return {"kind": "cpu", "backend": "onnxruntime", "machine": platform.machine(), "os": platform.system()}
+    """The device field of a CPU build; int8_kernels: the int8 path ONNX Runtime takes on this
+    CPU (cpu_features.py), which the exactness gates of quantized models were measured on."""
+    return {"kind": "cpu", "backend": "onnxruntime", "machine": platform.machine(), "os": platform.system(),
+            "int8_kernels": int8_kernels()}
 
 
 def gpu_device(backend: str, **facts) -> dict:
@@ -424,3 +428,35 @@ def check_device(man: Manifest, backend: str = "onnxruntime") -> None:
             raise ManifestError(
                 f"engines were built for {key}={built.get(key)!r}; this machine has {key}={here[key]!r}: "
                 "rebuild the engines on this machine")
+    check_int8_kernels(man, here["int8_kernels"])
+
+
+_KERNEL_NAMES = {"dot": "VNNI/AMX dot products", "avx2": "AVX2 without VNNI/AMX", "other": "not x86"}
+
+
+def uses_int8_kernels(entry: ModelEntry) -> bool:
+    """Do this model's tokens depend on ONNX Runtime's int8 kernels? Its weights are quantized
+    (precision int8 / int4 / int8-qdq: MatMulNBits with int8 compute, Q/DQ), or its prompt
+    chunks run an int8 graph (the batched model's `--batch-prefill rowwise`, source.prefill_graph)."""
+    return entry.precision not in ("fp32", "fp16") or "prefill_graph" in (entry.source or {})
+
+
+def check_int8_kernels(man: Manifest, here: str) -> None:
+    """Refuse a target or batched model whose tokens depend on int8 kernels when the build's CPU
+    took another int8 path than this one (`here`, cpu_features.int8_kernels()): the build's gates
+    (decode rows = verify rows, batch and window invariance) were measured on the build's path.
+    A draft is not checked: it changes which tokens are proposed, never which are emitted.
+    Manifests written before the field existed, and "unknown" on either side, have nothing to compare."""
+    built = man.device.get("int8_kernels")
+    if built is None or "unknown" in (built, here) or built == here:
+        return
+    bound = [f"{role} ({m.precision})" for role, m in man.models.items()
+             if role in ("target", "batch") and uses_int8_kernels(m)]
+    if bound:
+        raise Int8KernelsError(
+            f"models {' and '.join(bound)} were built and gated on a CPU whose ONNX Runtime int8 kernels take the "
+            f"{built!r} path ({_KERNEL_NAMES.get(built, 'unrecorded')}); this CPU takes the {here!r} path "
+            f"({_KERNEL_NAMES.get(here, here)}), which rounds int8 products differently: the build's guarantees "
+            "(greedy speculative output = plain decoding, a batched request's tokens independent of its batch) "
+            "were not measured here. Rebuild the engines on this machine (`specrt build ...` with the same "
+            "options); fp32 targets do not depend on the int8 path")

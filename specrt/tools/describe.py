@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 from specrt import manifest as mf
+from specrt.cpu_features import int8_kernels
 
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-_DEVICE_KEYS = ("backend", "kind", "machine", "os")
+_DEVICE_KEYS = ("backend", "kind", "machine", "os", "int8_kernels")
 
 
 def _device(dev: dict) -> str:
     facts = "".join(f"; {k} {v}" for k, v in dev.items() if k not in _DEVICE_KEYS)
+    # quantized engines load only where the int8 path matches (manifest.check_int8_kernels)
+    if "int8_kernels" in dev:
+        facts += f"; int8 kernels {dev['int8_kernels']} (this CPU: {int8_kernels()})"
     return f"{dev.get('backend')} on {dev.get('kind')} ({dev.get('machine')}, {dev.get('os')}){facts}"
 
 

@@ -196,6 +196,7 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     from pathlib import Path
 
     from specrt import manifest as mf
+    from specrt.runtime.backends import backend_for
     from specrt.runtime.backends.ort_batch import OrtBatchModel
     from specrt.runtime.tokenizer import Tokenizer
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or not 1 <= max_num_seqs <= 256:
@@ -204,6 +205,7 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
         raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
     root = Path(engines)
     man = mf.load(root)
+    backend_for(man).check_device(man)      # as SpeculativeGenerator: another device or CPU int8 path is refused
     mf.check_files(man, root)
     entry = man.batch
     if entry is None:
