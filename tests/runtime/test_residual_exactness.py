@@ -1,14 +1,14 @@
-"""A proposal without a distribution (prompt lookup, a pair round's guess, the n-gram table:
-q is a point mass on the guessed token) keeps sampled output exactly the target's, at the
-first position of a round and at a later one after an accepted guess, through both accept
-rules: the one-request rule (rounds.accept -> sampling.verify_sampled: keep x with
-probability p(x), else draw from the residual norm(max(0, p - onehot(x))) = p without x)
-and the batched one (batch/choice.first_mismatch: the target's own choice at a position-keyed
-uniform, the guess kept when it equals it).
+"""A proposal without a distribution (prompt lookup, a pair round's guess, the n-gram table)
+keeps sampled output exactly the target's, at the first position of a round and at a later
+one after an accepted guess, through both entry points of the one accept rule
+(runtime/choice.py): the one-request stack's rounds.accept and the batched engine's
+choice.first_mismatch. The guess is kept when it equals the target's choice at its position
+(the race keyed by the request's seed and the position), so with probability p(guess); what
+comes after a rejected guess is that same choice, so the guess never comes back.
 
 The guesser is often wrong on purpose: it always guesses the target's second most likely
 token (accepted about a quarter of the time), so most rounds end in a rejection. A rule that
-leaves the rejected guess in what it draws from emits the guess with probability
+draws the token after a rejected guess with fresh noise emits the guess with probability
 p + (1 - p) p instead of p: about 0.2 too often here, which the chi-square test and the
 total-variation bound (tests/goodness_of_fit.py) see at p-values far below 1e-6. Every
 draw is seeded: each statistic here is a fixed number.
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
 
-from specrt.runtime import sampling as sampling_mod
-from specrt.runtime.batch import choice as choice_mod
+from specrt.runtime import choice as choice_mod
+from specrt.runtime import rounds as rounds_mod
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.rounds import Workspace, accept
 from specrt.runtime.sampling import SamplingParams
@@ -61,13 +61,14 @@ def window(chain) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rounds_rule(chain, n: int) -> list[list[int]]:
-    """n rounds of the one-request rule on the same window, one seeded generator: each round's
-    emitted tokens (its accepted guesses, then the recovered or bonus token)."""
+    """n requests (seeds 0..n-1) through the one-request stack's rounds.accept on the same window
+    at position 9: each one's emitted tokens (its accepted guesses, then the recovered or bonus
+    token)."""
     logits, guesses = window(chain)
-    ws, rng, out = Workspace(K, V), np.random.default_rng(1234), []
-    proposal = Proposal(guesses)                  # q None: a deterministic guess
-    for _ in range(n):
-        v = accept(logits, proposal, PARAMS, rng, ws)
+    ws, out = Workspace(K, V), []
+    proposal = Proposal(guesses)
+    for seed in range(n):
+        v = accept(logits, proposal, PARAMS, seed, 9, ws)
         out.append([*guesses[:v.n_accepted].tolist(), v.next_token])
     return out
 
@@ -107,7 +108,7 @@ def guard(chain, emitted) -> None:
     assert one > 1000 and both > 300, (one, both)
 
 
-@pytest.mark.parametrize("rule", [rounds_rule, batched_rule], ids=["rounds-verify_sampled", "batched-choice"])
+@pytest.mark.parametrize("rule", [rounds_rule, batched_rule], ids=["rounds-accept", "batched-first_mismatch"])
 def test_a_rejected_guess_leaves_the_output_exactly_the_targets(chain, rule):
     emitted = rule(chain, N)
     guard(chain, emitted)
@@ -118,26 +119,22 @@ def test_a_rejected_guess_leaves_the_output_exactly_the_targets(chain, rule):
     assert first.passes and later.passes, (first, later)
 
 
-def test_a_residual_that_keeps_the_rejected_guess_fails_the_same_check(chain, monkeypatch):
-    """sampling.verify_sampled drawing a rejected guess's replacement from p itself (the guess
-    left in): both positions fail by a wide margin."""
-    def keep_guess(p, x, out):
-        np.copyto(out, p)           # wrong: x stays in
-        return out
+def redraw(logits, proposal, params, seed, position, scratch):
+    """Wrong: a guess that differs from the target's choice is replaced by a fresh draw from p
+    (other noise than the choice it was compared with), so the guess comes back."""
+    n, y = choice_mod.first_mismatch(logits, proposal, params, seed, position, scratch)
+    if n == len(proposal):
+        return n, y
+    return n, choice_mod.choose(logits[n], params, seed + 1_000_003, position + n, scratch)
 
-    monkeypatch.setattr(sampling_mod, "residual_without", keep_guess)
+
+def test_rounds_that_redraw_after_a_rejected_guess_fail_the_same_check(chain, monkeypatch):
+    """rounds.accept with that mistake: both positions fail by a wide margin."""
+    monkeypatch.setattr(rounds_mod, "first_mismatch", redraw)
     first, later, _ = fits(chain, rounds_rule(chain, N))
     assert all(f.p_value < P_VALUE_CEILING and f.tv > 2 * f.tv_bound for f in (first, later)), (first, later)
 
 
-def test_a_batched_rule_that_redraws_a_rejected_guess_from_p_fails_the_same_check(chain):
-    """The batched rule's counterpart of that mistake: a guess that differs from the target's
-    choice is replaced by a fresh draw from p (another uniform), so the guess comes back."""
-    def redraw(logits, proposal, params, seed, position, scratch):
-        n, y = choice_mod.first_mismatch(logits, proposal, params, seed, position, scratch)
-        if n == len(proposal):
-            return n, y
-        return n, choice_mod.choose(logits[n], params, seed + 1_000_003, position + n, scratch)
-
+def test_a_batched_rule_that_redraws_a_rejected_guess_fails_the_same_check(chain):
     first, later, _ = fits(chain, batched_rule(chain, N, redraw))
     assert all(f.p_value < P_VALUE_CEILING and f.tv > 2 * f.tv_bound for f in (first, later)), (first, later)

@@ -1,8 +1,10 @@
 """The proposer seam and the one round skeleton (runtime/loop.py, runtime/proposers/):
 every proposer implements one protocol, a new proposer needs no change to the loop, and
-the state each round leaves behind (the q rows it verified with, a draft's own cache, the
-adaptive policy's estimate) is the right one."""
+the state each round leaves behind (the position and seed it verified with, a draft's own
+cache, the adaptive policy's estimate) is the right one."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -54,7 +56,7 @@ class Oracle:
         self.answer, self.at0 = answer, prompt_len
         self.stats = ProposerStats()
 
-    def begin(self, prompt, params=None, rng=None):
+    def begin(self, prompt, params=None, seed=0):
         pass
 
     def propose(self, seq, k):
@@ -74,7 +76,7 @@ def test_a_new_proposer_plugs_into_the_loop_without_changing_it(trunc):
     assert isinstance(oracle, Proposer)
     first = prefill(trunc.target, trunc.manifest.target.graphs["prefill"].tokens, PROMPT)
     m = Metrics(k=trunc.k)
-    got = [e.token for e in decode(trunc.target, FixedDraft(oracle), first, len(PROMPT), 24, SamplingParams(), None,
+    got = [e.token for e in decode(trunc.target, FixedDraft(oracle), first, len(PROMPT), 24, SamplingParams(), 0,
                                    trunc.ws, m, seq=list(PROMPT))]
     assert got == plain
     assert m.accepted == m.drafted and m.iterations < 24 / trunc.k + 2      # every guess kept: k+1 tokens a round
@@ -99,31 +101,37 @@ class Scripted:
         pass
 
 
-def test_a_lookup_round_after_a_draft_round_verifies_with_no_q_rows(trunc, monkeypatch):
-    """The draft's q rows of the round before must never reach a guess's verification: a guess
-    has no distribution (q None: one-hot on the guess), a draft round passes the draft's rows."""
-    seen = []
-    real = rounds_mod.verify_sampled
+def test_a_lookup_round_after_a_draft_round_verifies_with_the_same_rule(trunc, monkeypatch):
+    """Proposals carry tokens only, so nothing of a draft round (its distributions) can reach the
+    next guess's verification: every sampled round, draft, lookup or plain, is verified by the
+    one rule (choice.first_mismatch) with the request's seed at the position of its first new
+    token, and those positions follow the emitted text."""
+    assert [f.name for f in dataclasses.fields(Proposal)] == ["tokens"]
+    calls = []
+    real = rounds_mod.first_mismatch
 
-    def spy(p, q, tokens, rng, scratch):
-        seen.append((len(tokens), None if q is None else q.copy(), tokens.copy()))
-        return real(p, q, tokens, rng, scratch)
+    def spy(logits, proposal, params, seed, position, scratch):
+        n, nxt = real(logits, proposal, params, seed, position, scratch)
+        calls.append((len(proposal), seed, position, n))
+        return n, nxt
 
-    monkeypatch.setattr(rounds_mod, "verify_sampled", spy)
+    monkeypatch.setattr(rounds_mod, "first_mismatch", spy)
     monkeypatch.setattr(trunc, "_policy", lambda: Scripted([("draft", 3), ("lookup", 3)]))
     prompt = PROMPT * 3                                   # text that repeats: lookup has guesses
     looked = drafted = 0
-    for seed in range(6):
-        seen.clear()
-        list(trunc.tokens(prompt, max_new_tokens=30, sampling=SamplingParams(temperature=1.0, seed=seed), ngram=1))
+    for seed in (0, 1, 7, 2**40 + 3, 2**62 + 5, 99):
+        calls.clear()
+        sp = SamplingParams(temperature=1.0, seed=seed)
+        toks = [e.token for e in trunc.tokens(prompt, max_new_tokens=30, sampling=sp, ngram=1)]
         m = trunc.last_metrics
+        assert len(calls) == m.iterations, (len(calls), m.as_dict())      # one verification a target pass
+        at = len(prompt) + 1            # the first token, at len(prompt), came from the prefill's row
+        for k, s, position, n in calls:
+            assert (s, position) == (seed, at), (calls, seed)
+            at += n + 1
+        assert calls[-1][2] < len(prompt) + len(toks) <= at
         looked += m.lookup_rounds
-        drafted += sum(q is not None for _, q, _ in seen)
-        for k, q, tokens in seen:
-            if q is not None:                           # a draft round: the rows its tokens were drawn from
-                assert q.shape == (k, trunc.vocab) and np.allclose(q.sum(axis=1), 1.0, atol=1e-4)
-                assert (q[np.arange(k), tokens] > 0).all()
-        assert sum(q is None and k > 0 for k, q, _ in seen) == m.lookup_rounds
+        drafted += sum(k > 0 for k, *_ in calls) - m.lookup_rounds
     assert looked > 0 and drafted > 0, (looked, drafted)
 
 

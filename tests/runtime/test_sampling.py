@@ -1,5 +1,6 @@
-"""Tests for specrt.runtime.sampling: params validation, the logit warp, and the pieces of
-the accept rule. Its exactness over many draws is in test_accept_rule_exactness.py."""
+"""Tests for specrt.runtime.sampling: params validation, the logit warp, and the greedy verdict.
+The sampled accept rule is runtime/choice.py: test_choice.py, and its exactness over many
+draws test_accept_rule_exactness.py."""
 
 from __future__ import annotations
 
@@ -10,16 +11,7 @@ import numpy as np
 import pytest
 
 from specrt.errors import SamplingParamsError
-from specrt.runtime.sampling import (
-    SamplingParams,
-    Verdict,
-    accept_probability,
-    probs_from_logits,
-    residual_distribution,
-    sample,
-    verify_greedy,
-    verify_sampled,
-)
+from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, verify_greedy
 
 # probs [0.4, 0.3, 0.2, 0.1] at temperature 1: easy to check by hand.
 HAND_LOGITS = np.log(np.array([4.0, 3.0, 2.0, 1.0], dtype=np.float32))
@@ -27,16 +19,6 @@ HAND_LOGITS = np.log(np.array([4.0, 3.0, 2.0, 1.0], dtype=np.float32))
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs_from_logits(logits, params, np.empty(logits.shape[0], np.float32))
-
-
-class FixedRng:
-    """Stands in for numpy.random.Generator where a test needs exact u values."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self) -> float:
-        return self.values.pop(0)
 
 
 # --- SamplingParams -----------------------------------------------------------
@@ -245,83 +227,7 @@ def test_out_of_the_wrong_shape_is_refused():
         probs_from_logits(HAND_LOGITS, SamplingParams(temperature=1.0), np.empty(3, np.float32))
 
 
-# --- sample -------------------------------------------------------------------
-
-
-def test_sample_never_returns_a_zero_probability_token_at_the_ends_of_u():
-    probs = np.array([0.0, 0.5, 0.5, 0.0], dtype=np.float32)
-    largest_u = 1.0 - 2.0**-53
-    assert sample(probs, FixedRng(0.0)) == 1
-    assert sample(probs, FixedRng(largest_u)) == 2
-    # A row that sums to 1 + 1e-6 or 1 - 1e-6 (float32 rounding) behaves the same.
-    for scale in (1 + 1e-6, 1 - 1e-6):
-        assert sample(probs * scale, FixedRng(largest_u)) == 2
-        assert sample(probs * scale, FixedRng(0.0)) == 1
-
-
-def test_sample_maps_u_through_the_cdf():
-    probs = np.array([0.25, 0.0, 0.75], dtype=np.float32)
-    assert sample(probs, FixedRng(0.2499)) == 0
-    assert sample(probs, FixedRng(0.25)) == 2
-    assert sample(probs, FixedRng(0.9)) == 2
-
-
-def test_sample_accumulates_in_float64_so_small_tokens_after_a_large_one_stay_reachable():
-    # float32: 1 + 1e-8 == 1, so the tail's CDF would be flat and its tokens never drawn
-    probs = np.concatenate([[1.0], np.full(1000, 1e-8)]).astype(np.float32)
-    assert 0 < sample(probs, FixedRng(1 - 1e-7)) <= 1000
-
-
-@pytest.mark.parametrize("probs", [np.zeros(4, np.float32), np.zeros(0, np.float32)], ids=["zeros", "empty"])
-def test_sample_refuses_a_row_with_no_mass(probs):
-    with pytest.raises(ValueError, match="positive finite mass"):
-        sample(probs, np.random.default_rng(0))
-
-
-# --- accept rule pieces -------------------------------------------------------
-
-
-def test_draft_probability_zero_never_divides():
-    assert accept_probability(0.3, 0.0) == 1.0
-    assert accept_probability(0.0, 0.0) == 0.0
-    assert accept_probability(np.float32(0.3), np.float32(0.0)) == 1.0
-    # And inside the verifier: the target allows x but the draft's row says q(x) = 0.
-    p = np.array([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=np.float32)
-    q = np.array([[1.0, 0.0, 0.0]], dtype=np.float32)
-    verdict = verify_sampled(p, q, np.array([1]), FixedRng(0.999, 0.5), np.empty(3, np.float32))
-    assert verdict == Verdict(n_accepted=1, next_token=2, bonus=True)
-
-
-def test_accept_probability_is_min_of_one_and_the_ratio():
-    rng = np.random.default_rng(3)
-    for p_x, q_x in rng.random((200, 2)):
-        a = accept_probability(p_x, q_x)
-        assert 0.0 <= a <= 1.0
-        assert a == pytest.approx(min(1.0, p_x / q_x))
-    assert accept_probability(0.2, 0.4) == pytest.approx(0.5)
-    assert accept_probability(0.4, 0.2) == 1.0
-    assert accept_probability(0.0, 0.4) == 0.0
-
-
-def test_residual_is_the_normalised_positive_part_of_p_minus_q():
-    p = np.array([0.5, 0.3, 0.2, 0.0], dtype=np.float32)
-    q = np.array([0.2, 0.4, 0.1, 0.3], dtype=np.float32)
-    out = np.empty(4, np.float32)
-    result = residual_distribution(p, q, out)
-    assert result is out
-    np.testing.assert_allclose(out, [0.75, 0.0, 0.25, 0.0], rtol=1e-6)
-
-
-def test_residual_that_sums_to_zero_falls_back_to_p():
-    p = np.array([0.1, 0.6, 0.3], dtype=np.float32)
-    out = np.full(3, np.nan, np.float32)
-    with np.errstate(all="raise"):
-        result = residual_distribution(p, p.copy(), out)
-    assert result is out
-    np.testing.assert_array_equal(out, p)
-
-
-# --- verify_greedy / verify_sampled --------------------------------------------
+# --- verify_greedy ----------------------------------------------------------------
 
 
 def test_greedy_verify_accepts_all_and_adds_the_bonus_token():
@@ -341,79 +247,9 @@ def test_greedy_verify_with_no_draft_tokens_returns_the_bonus_from_position_zero
     assert verdict == Verdict(n_accepted=0, next_token=7, bonus=True)
 
 
-def test_sampled_verify_with_no_draft_tokens_samples_the_bonus_from_position_zero():
-    p = np.array([[0.0, 0.0, 1.0, 0.0]], dtype=np.float32)
-    q = np.empty((0, 4), np.float32)
-    no_draft = np.array([], dtype=np.int64)
-    verdict = verify_sampled(p, q, no_draft, np.random.default_rng(0), np.empty(4, np.float32))
-    assert verdict == Verdict(n_accepted=0, next_token=2, bonus=True)
-
-
-def test_sampled_verify_never_accepts_a_token_the_target_rules_out():
-    p = np.array([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], dtype=np.float32)
-    q = np.array([[1.0, 0.0, 0.0]], dtype=np.float32)
-    scratch = np.empty(3, np.float32)
-    # u = 0.0 is the draw most willing to accept; it must still reject.
-    verdict = verify_sampled(p, q, np.array([0]), FixedRng(0.0, 0.0), scratch)
-    assert verdict == Verdict(n_accepted=0, next_token=1, bonus=False)
-    rng = np.random.default_rng(1)
-    for _ in range(200):
-        verdict = verify_sampled(p, q, np.array([0]), rng, scratch)
-        assert verdict.n_accepted == 0 and verdict.next_token in (1, 2)
-
-
-def test_sampled_verify_on_one_hot_rows_matches_greedy_verify():
-    # With greedy params both warps are one-hot, so the sampled rule must reduce to argmax matching.
-    rng = np.random.default_rng(5)
-    greedy = SamplingParams()
-    k, v = 4, 5
-    scratch = np.empty(v, np.float32)
-    for _ in range(100):
-        target_logits = rng.normal(size=(k + 1, v)).astype(np.float32)
-        draft_logits = rng.normal(size=(k, v)).astype(np.float32)
-        p = np.stack([warp(row, greedy) for row in target_logits])
-        q = np.stack([warp(row, greedy) for row in draft_logits])
-        # Draft tokens: mostly the target's argmax so long accepted runs occur too.
-        draft = np.where(rng.random(k) < 0.7, target_logits[:k].argmax(1), draft_logits.argmax(1))
-        q[np.arange(k)] = np.eye(v, dtype=np.float32)[draft]
-        assert verify_sampled(p, q, draft, rng, scratch) == verify_greedy(target_logits.argmax(1), draft)
-
-
-def test_sampled_verify_refuses_target_rows_without_the_bonus_position():
-    # p must have k+1 rows even when q and the draft tokens agree with each other
-    with pytest.raises(ValueError, match=r"expected p \[k\+1, V\]"):
-        verify_sampled(
-            np.full((2, 4), 0.25, np.float32),
-            np.full((2, 4), 0.25, np.float32),
-            np.array([0, 1]),
-            np.random.default_rng(0),
-            np.empty(4, np.float32),
-        )
-
-
-def test_sampled_verify_refuses_draft_tokens_that_are_not_one_row():
-    p, q = np.full((3, 4), 0.25, np.float32), np.full((2, 4), 0.25, np.float32)
-    with pytest.raises(ValueError, match=r"draft_tokens \[k\]"):
-        verify_sampled(p, q, np.array([[0], [1]]), np.random.default_rng(0), np.empty(4, np.float32))
-
-
-def test_sampled_verify_names_a_scratch_buffer_of_the_wrong_size():
-    p, q = np.full((3, 4), 0.25, np.float32), np.full((2, 4), 0.25, np.float32)
-    with pytest.raises(ValueError, match=r"^scratch has shape \(3,\); expected \(4,\)"):
-        verify_sampled(p, q, np.array([0, 1]), np.random.default_rng(0), np.empty(3, np.float32))
-
-
 def test_verifiers_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match=r"expected \[k\+1\] and \[k\]"):
         verify_greedy(np.array([1, 2]), np.array([1, 2]))
-    with pytest.raises(ValueError, match=r"expected p \[k\+1, V\], q \[k, V\]"):
-        verify_sampled(
-            np.full((3, 4), 0.25, np.float32),
-            np.full((3, 4), 0.25, np.float32),
-            np.array([0, 1]),
-            np.random.default_rng(0),
-            np.empty(4, np.float32),
-        )
 
 
 # --- issue 16: inputs at the edges -------------------------------------------------

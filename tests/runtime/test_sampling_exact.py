@@ -20,8 +20,8 @@ import pytest
 from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
 
 from specrt.runtime import SamplingParams, SpeculativeGenerator
+from specrt.runtime import choice as choice_mod
 from specrt.runtime import rounds as rounds_mod
-from specrt.runtime.sampling import Verdict, sample
 
 PROMPT = [40, 50, 60, 70]
 K = 3                       # conftest.build_tiny's default
@@ -215,31 +215,35 @@ def test_min_p_sampling_follows_the_target_distribution(gen, min_p_exact):
     assert fit.passes and fit.outside_support == 0, fit
 
 
-def test_a_target_that_skips_min_p_fails_the_same_check(gen, min_p_exact, monkeypatch):
-    """The draft still applies min-p; the target's rows do not: the output leaves min-p's law."""
+def test_a_warp_that_skips_min_p_fails_the_same_check(gen, min_p_exact, monkeypatch):
+    """The choices (the target's and the draft's: one warp, runtime/choice.py) skip min-p: the
+    output leaves min-p's law."""
     from dataclasses import replace
-    real = rounds_mod.probs_from_logits
-    monkeypatch.setattr(rounds_mod, "probs_from_logits",
+    real = choice_mod.probs_from_logits
+    monkeypatch.setattr(choice_mod, "probs_from_logits",
                         lambda x, params, out: real(x, replace(params, min_p=0.0), out))
     fit = fit_of(min_p_exact, sample_prefixes(gen, N // 2, params=MIN_P))
     assert not fit.passes, fit
 
 
-def _always_accept(p, q, draft_tokens, rng, scratch):
-    k = len(draft_tokens)
-    return Verdict(k, sample(p[k], rng), True)
+def _always_accept(logits, proposal, params, seed, position, scratch):
+    """Wrong: keeps every draft token whatever the target chose (the output follows the draft)."""
+    k = len(proposal)
+    return k, choice_mod.choose(logits[k], params, seed, position + k, scratch)
 
 
-def _resample_from_p(p, q, draft_tokens, rng, scratch):
-    for i, x in enumerate(draft_tokens):
-        if rng.random() >= min(1.0, p[i, x] / max(q[i, x], 1e-30)):
-            return Verdict(i, sample(p[i], rng), False)   # wrong: should be the residual
-    return Verdict(len(draft_tokens), sample(p[len(draft_tokens)], rng), True)
+def _redraw_after_a_rejection(logits, proposal, params, seed, position, scratch):
+    """Wrong: after a rejected draft token, a fresh draw from p (noise of its own) instead of the
+    target's choice there: the rejected token comes back too often."""
+    n, y = choice_mod.first_mismatch(logits, proposal, params, seed, position, scratch)
+    if n == len(proposal):
+        return n, y
+    return n, choice_mod.choose(logits[n], params, seed + 1_000_003, position + n, scratch)
 
 
-@pytest.mark.parametrize("wrong", [_always_accept, _resample_from_p])
+@pytest.mark.parametrize("wrong", [_always_accept, _redraw_after_a_rejection])
 def test_a_wrong_accept_rule_fails_the_same_check(gen, exact, monkeypatch, wrong):
-    monkeypatch.setattr(rounds_mod, "verify_sampled", wrong)
+    monkeypatch.setattr(rounds_mod, "first_mismatch", wrong)
     fit = fit_of(exact, sample_prefixes(gen, N // 2))
     assert not fit.passes and fit.p_value < P_VALUE_CEILING, fit
 
@@ -285,9 +289,9 @@ def _scripted_runs(gen, prompt) -> tuple[Counter, Counter]:
                                     (("lookup", 3), ("lookup", 2), ("plain", 0))])
 def test_sampling_stays_exact_when_rounds_mix_plain_steps_lookup_and_draft_lengths(gen, tiny_pair, exact,
                                                                                   monkeypatch, script):
-    """The adaptive policy's rounds: a plain step samples from the target's own row; a
-    lookup guess is a draft with a one-hot distribution; any k and proposer fixed before a
-    round's draws keep the rule exact."""
+    """The adaptive policy's rounds: a plain step takes the target's own choice; a lookup
+    guess is kept when it equals that choice, like a draft's token; any k and proposer keep
+    the rule exact."""
     wants_lookup = any(how == "lookup" for how, _ in script)
     prompt = PROMPT
     if wants_lookup:   # the prompt followed by the target's own greedy text: lookup guesses the target often likes
@@ -305,7 +309,7 @@ def test_sampling_stays_exact_when_rounds_mix_plain_steps_lookup_and_draft_lengt
 
 def test_sampling_stays_exact_with_pair_rounds(gen, tiny_pair, monkeypatch):
     """A pair round puts one guessed token in the second row of the target's decode graph
-    (a quantized target's runs two rows) and verifies it like a one-hot draft of k = 1. The
+    (a quantized target's runs two rows) and verifies it like a guess of k = 1. The
     fp32 target's decode graph has one row, so here its verify graph stands in for a two-row
     decode graph (same rows, padded): the loop's pair path against the exact distribution."""
     prompt = PROMPT + [e.token for e in gen.tokens(PROMPT, max_new_tokens=40, method="plain")]
