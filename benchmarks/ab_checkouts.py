@@ -1,11 +1,15 @@
 """A/B: the same engines driven by two checkouts of specrt, interleaved in one run.
 
     python benchmarks/ab_checkouts.py OLD_CHECKOUT NEW_CHECKOUT ENGINES [--prompts 8 --max-new-tokens 128]
+                                      [--temperature 0.8]
 
 Each checkout runs in its own long-lived worker process (PYTHONPATH points at it; load
 time excluded); prompts alternate A,B / B,A so drift on a shared machine hits both.
-Prints tok/s (decode, after prefill) per method and checkout, their ratio, and whether
-the two produced identical tokens. Used to show a refactor changed neither speed nor
+Prints tok/s (decode, after prefill) and the draft's acceptance rate per method and
+checkout, their ratio, and whether the two produced identical tokens. --temperature > 0
+samples (prompt i with seed i, the same in both checkouts): a change of the accept rule
+changes the tokens, so "identical" is then expected to say NO, and the acceptance column
+shows what the rule costs or gains. Used to show a refactor changed neither speed nor
 output (e.g. `git archive <rev> | tar -x -C /tmp/old`).
 """
 from __future__ import annotations
@@ -26,9 +30,11 @@ print(json.dumps({"ready": specrt.__file__}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
     ids = gen.encode_prompt(req["prompt"], chat=True)
-    toks = [e.token for e in gen.tokens(ids, max_new_tokens=req["n"], method=req["method"])]
+    toks = [e.token for e in gen.tokens(ids, max_new_tokens=req["n"], method=req["method"],
+                                        sampling=req.get("sampling"))]
     m = gen.last_metrics
-    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill}), flush=True)
+    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "drafted": m.drafted,
+                      "accepted": m.accepted}), flush=True)
 """
 
 
@@ -41,8 +47,8 @@ class Worker:
         if not ready["ready"].startswith(str(checkout)):
             raise SystemExit(f"worker imported {ready['ready']}, not the checkout {checkout}")
 
-    def run(self, prompt: str, n: int, method: str) -> dict:
-        self.p.stdin.write(json.dumps({"prompt": prompt, "n": n, "method": method}) + "\n")
+    def run(self, prompt: str, n: int, method: str, sampling: dict | None = None) -> dict:
+        self.p.stdin.write(json.dumps({"prompt": prompt, "n": n, "method": method, "sampling": sampling}) + "\n")
         self.p.stdin.flush()
         return json.loads(self.p.stdout.readline())
 
@@ -58,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("engines")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sample, prompt i with seed i")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(a.new))
     from specrt.prompts import PROMPTS
@@ -66,22 +73,26 @@ def main(argv=None) -> int:
     texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
     for w in workers.values():                       # warm-up
         w.run(texts[0], 8, "plain"), w.run(texts[0], 8, "speculative")
-    tot = {(c, m): [0, 0.0] for c in workers for m in ("plain", "speculative")}
+    tot = {(c, m): [0, 0.0, 0, 0] for c in workers for m in ("plain", "speculative")}
     identical = True
     for i, text in enumerate(texts):
         for method in ("plain", "speculative"):
             order = ("old", "new") if i % 2 == 0 else ("new", "old")
-            res = {c: workers[c].run(text, a.max_new_tokens, method) for c in order}
+            sampling = {"temperature": a.temperature, "seed": i} if a.temperature > 0 else None
+            res = {c: workers[c].run(text, a.max_new_tokens, method, sampling) for c in order}
             identical &= res["old"]["tokens"] == res["new"]["tokens"]
             for c, r in res.items():
                 tot[(c, method)][0] += len(r["tokens"])
                 tot[(c, method)][1] += r["seconds"]
+                tot[(c, method)][2] += r.get("drafted", 0)
+                tot[(c, method)][3] += r.get("accepted", 0)
     for w in workers.values():
         w.close()
-    print(f"{'method':<12} {'old tok/s':>10} {'new tok/s':>10} {'new/old':>8}")
+    print(f"{'method':<12} {'old tok/s':>10} {'new tok/s':>10} {'new/old':>8} {'old accept':>11} {'new accept':>11}")
     for method in ("plain", "speculative"):
         o, n = (tot[(c, method)][0] / tot[(c, method)][1] for c in ("old", "new"))
-        print(f"{method:<12} {o:>10.1f} {n:>10.1f} {n / o:>8.3f}")
+        acc = [tot[(c, method)][3] / tot[(c, method)][2] if tot[(c, method)][2] else float("nan") for c in ("old", "new")]
+        print(f"{method:<12} {o:>10.1f} {n:>10.1f} {n / o:>8.3f} {acc[0]:>11.3f} {acc[1]:>11.3f}")
     print(f"outputs identical between checkouts: {'yes' if identical else 'NO'}")
     return 0 if identical else 1
 

@@ -14,13 +14,13 @@ mixing their caches. A service runs one instance per worker.
 from __future__ import annotations
 
 import gc
+import secrets
 import threading
 import time
 from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 
 from specrt import manifest as mf
 from specrt.errors import (
@@ -248,15 +248,15 @@ class SpeculativeGenerator(TextStreaming):
         P = len(prompt_ids)
         m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
                                         prompt_tokens=P)
-        rng = np.random.default_rng(sampling.seed)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         planner = self._planner(method, ngram, adaptive)
         t_start = time.perf_counter()
         try:
             first = prefill(self.target, self.manifest.target.graphs["prefill"].tokens, prompt_ids)
             for p in planner.proposers:      # a draft with its own cache prefills the prompt here
-                p.begin(prompt_ids, sampling, rng)
+                p.begin(prompt_ids, sampling, seed)
             m.time_prefill = time.perf_counter() - t_start
-            with closing(decode(self.target, planner, first, P, budget, sampling, rng, self.ws, m,
+            with closing(decode(self.target, planner, first, P, budget, sampling, seed, self.ws, m,
                                 seq=list(prompt_ids))) as inner:
                 yield from inner
             m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")

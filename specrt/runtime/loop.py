@@ -126,15 +126,17 @@ class Adaptive(Plain):
 
 
 def decode(target: ModelRunner, planner: Plain, first_logits, start: int, budget: int, params: SamplingParams,
-           rng, ws: Workspace, metrics: Metrics, *, seq: list[int]) -> Iterator[Emitted]:
+           seed: int, ws: Workspace, metrics: Metrics, *, seq: list[int]) -> Iterator[Emitted]:
     """Decode up to `budget` tokens after a prefilled prompt.
 
     start: tokens with K/V in the target cache (the prompt); seq: the prompt, to which every
     emitted token is appended (proposers read it; its last token, `cur`, has no K/V yet, so the
-    target holds len(seq) - 1 rows). The proposers must have begun this generation."""
+    target holds len(seq) - 1 rows). The proposers must have begun this generation.
+    seed: the request's seed; a sampled token at position t is the target's choice keyed by
+    (seed, t) (runtime/choice.py), so the tokens do not depend on the planner."""
     length, emitted = start, 0
     try:
-        cur = first_token(first_logits, params, rng, ws)
+        cur = first_token(first_logits, params, seed, len(seq), ws)
         seq.append(cur)
         emitted = metrics.tokens = 1
         yield Emitted(cur, False)
@@ -146,7 +148,8 @@ def decode(target: ModelRunner, planner: Plain, first_logits, start: int, budget
             if kind is RoundKind.PLAIN:
                 proposal = EMPTY
                 trace.push("decode")
-                verdict = accept(target_pass(target, "decode", cur, EMPTY, length, params, ws), EMPTY, params, rng, ws)
+                verdict = accept(target_pass(target, "decode", cur, EMPTY, length, params, ws), EMPTY, params, seed,
+                                 len(seq), ws)
                 trace.pop()
                 metrics.time_verify += time.perf_counter() - t0
                 metrics.plain_steps += planner.adaptive
@@ -160,7 +163,7 @@ def decode(target: ModelRunner, planner: Plain, first_logits, start: int, budget
                 trace.pop()
                 t2 = time.perf_counter()
                 trace.push("accept")
-                verdict = accept(logits, proposal, params, rng, ws)
+                verdict = accept(logits, proposal, params, seed, len(seq), ws)
                 trace.pop()
                 t3 = time.perf_counter()
                 plan.proposer.stats.record(len(proposal), verdict.n_accepted)

@@ -2,8 +2,9 @@
 
 Glossary (vLLM's): a proposer suggests k *draft* tokens; the target's pass over
 [cur, draft...] gives k+1 distributions; the longest prefix that passes the accept rule
-is *accepted*; at the first rejection a *recovered* token is sampled from the residual;
-if all k pass, a *bonus* token comes from the last row. So every round emits between 1
+is *accepted*; at the first rejection the target's own choice there is the *recovered*
+token; if all k pass, a *bonus* token comes from the last row. The accept rule is
+runtime/choice.py's, the batched engine's too. So every round emits between 1
 and k+1 tokens, and the target runs exactly once per round.
 
 The kinds of round (RoundKind), all the same skeleton (runtime/loop.py):
@@ -26,7 +27,8 @@ import numpy as np
 from specrt.runtime import nvtx_ranges as trace
 from specrt.runtime.backends.base import ModelRunner
 from specrt.runtime.proposers.base import Proposal
-from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, sample, verify_greedy, verify_sampled
+from specrt.runtime.choice import choose, first_mismatch
+from specrt.runtime.sampling import SamplingParams, Verdict, verify_greedy
 
 
 class RoundKind(str, Enum):
@@ -47,8 +49,7 @@ class Workspace:
 
     def __init__(self, k: int, vocab: int):
         self.k = k
-        self.p = np.zeros((k + 1, vocab), np.float32)       # [k+1, V] warped target rows
-        self.scratch = np.zeros(vocab, np.float32)           # [V] residual / first-token row
+        self.scratch = np.zeros(vocab, np.float32)           # [V] one warped row at a time
         self.argmax = np.zeros(k + 1, np.int64)              # [k+1] the target's greedy choices
         self.verify_tokens = [0] * (k + 1)                   # the window [cur, x1..xk]
 
@@ -65,11 +66,9 @@ def prefill(model: ModelRunner, graph_tokens: int, prompt: Sequence[int]) -> np.
     return last
 
 
-def first_token(logits_row: np.ndarray, params: SamplingParams, rng, ws: Workspace) -> int:
-    """The token after the prompt, from the prefill's last row."""
-    if params.greedy:
-        return int(np.argmax(logits_row))
-    return sample(probs_from_logits(logits_row, params, ws.scratch), rng)
+def first_token(logits_row: np.ndarray, params: SamplingParams, seed: int, position: int, ws: Workspace) -> int:
+    """The token after the prompt (at `position`, the prompt's length), from the prefill's last row."""
+    return choose(logits_row, params, seed, position, ws.scratch)
 
 
 def target_pass(target: ModelRunner, graph: str, cur: int, proposal: Proposal, length: int,
@@ -89,13 +88,12 @@ def target_pass(target: ModelRunner, graph: str, cur: int, proposal: Proposal, l
     return target.step(graph, window, length)
 
 
-def accept(logits, proposal: Proposal, params: SamplingParams, rng, ws: Workspace) -> Verdict:
-    """The accept rule on a target pass's result (runtime/sampling.py): greedy, the longest
-    prefix equal to the target's argmax; sampled, each row warped by `params`, then
-    Leviathan's rule (a proposal without q rows is a deterministic guess)."""
+def accept(logits, proposal: Proposal, params: SamplingParams, seed: int, position: int, ws: Workspace) -> Verdict:
+    """The accept rule on a target pass's result (runtime/choice.py): the longest prefix equal
+    to the target's choices, then its choice at the first difference. Greedy: the argmax rows
+    the pass read back; sampled: the rows' race keyed by (seed, position of x1 + j)."""
     k = len(proposal)
     if params.greedy:
         return verify_greedy(ws.argmax[:k + 1], proposal.tokens)
-    for i in range(k + 1):
-        probs_from_logits(logits[i], params, ws.p[i])
-    return verify_sampled(ws.p[:k + 1], proposal.q, proposal.tokens, rng, ws.scratch)
+    n, nxt = first_mismatch(logits, proposal.tokens, params, seed, position, ws.scratch)
+    return Verdict(n_accepted=n, next_token=nxt, bonus=n == k)

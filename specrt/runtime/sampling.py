@@ -1,30 +1,25 @@
-"""Token sampling and the speculative-decoding accept rule, in plain numpy.
+"""Sampling parameters, the warp from logits to the distribution a token is drawn from, and
+the greedy verdict, in plain numpy.
 
-The rule is Leviathan et al. 2023 (Alg. 1) / Chen et al. 2023: a draft token x
-proposed with probability q(x) is kept with probability min(1, p(x) / q(x));
-at the first rejection a token is drawn from norm(max(0, p - q)). Whatever the
-draft does, every emitted token is then distributed exactly as the target's p.
-"p" here is the *warped* distribution (temperature, top-k, top-p, min-p); the rule is
-exact for that p, so draft and target must go through the same
-`probs_from_logits` with the same `SamplingParams`.
+"p" is the *warped* distribution (temperature, top-k, top-p, min-p): the target's
+distribution a sampled request follows, so a proposer that samples (a draft model) goes
+through the same `probs_from_logits` with the same `SamplingParams`. The accept rule itself
+(which token the target chooses at a position, and how much of a proposal is kept) is
+runtime/choice.py, one rule for a single stream and every row of a batch.
 
 Glossary (the vocabulary follows vLLM's rejection sampler):
 
     draft tokens      the k tokens x_0..x_{k-1} the proposer suggests for one step.
     verify positions  the k+1 target positions scored in one target call:
                       position i holds p(. | prefix, x_0..x_{i-1}).
-    accepted tokens   the leading draft tokens that passed the accept test.
-    recovered token   the token drawn from the residual at the first rejection;
+    accepted tokens   the leading draft tokens equal to the target's choices.
+    recovered token   the target's choice at the first position where they differ;
                       it replaces the rejected draft token.
-    bonus token       the token drawn from p at position k when all k draft tokens
+    bonus token       the target's choice at position k when all k draft tokens
                       were accepted; it comes free with the verify call.
 
 Each verify step therefore emits n_accepted + 1 tokens (accepted, then exactly
 one recovered-or-bonus token), between 1 and k+1.
-
-Reproducibility: random decisions use only `rng.random()`, one draw per
-decision (one per draft token, one for the final token), so a seeded
-`numpy.random.Generator` replays the same tokens.
 """
 
 from __future__ import annotations
@@ -41,14 +36,8 @@ from specrt.errors import SamplingParamsError
 __all__ = [
     "SamplingParams",
     "Verdict",
-    "accept_probability",
     "probs_from_logits",
-    "residual_distribution",
-    "residual_without",
-    "sample",
-    "sample_at",
     "verify_greedy",
-    "verify_sampled",
 ]
 
 
@@ -69,7 +58,8 @@ class SamplingParams:
     top_k: keep only the k most likely tokens; 0 disables.
     top_p: keep the smallest set of most likely tokens with mass >= top_p; 1.0 disables.
     min_p: keep only tokens with probability >= min_p * (the most likely token's); 0.0 disables.
-    seed: seed for the caller's `numpy.random.default_rng`; None means unseeded.
+    seed: the request's seed: the same seed, the same sampled tokens, whatever the method, k,
+          proposer or batch (runtime/choice.py); None draws one per request.
     """
 
     temperature: float = 0.0
@@ -122,7 +112,6 @@ class SamplingParams:
                     f"seed={s!r} is not an integer; pass an int >= 0 or None for an unseeded run"
                 )
             if s < 0:
-                # numpy.random.default_rng rejects negative seeds; fail here, at construction.
                 raise SamplingParamsError(
                     f"seed={s!r} is outside [0, inf); pass an int >= 0 or None for an unseeded run"
                 )
@@ -185,8 +174,8 @@ def probs_from_logits(
       token always stays, min_p <= 1); it allocates a mask. vLLM applies min-p before
       top-k/top-p instead: the same tokens unless top-p is also set.
 
-    Apply the same params to draft and target: the accept rule is exact for the p it
-    is given, so the warp is part of the definition of the target distribution.
+    Apply the same params to draft and target: the warp is part of the definition of the
+    target distribution, and a draft warped the same way is coupled to it closely.
     """
     if logits.ndim != 1:
         raise ValueError(f"logits has shape {logits.shape}; pass one position, shape [V]")
@@ -236,89 +225,6 @@ def probs_from_logits(
     return out
 
 
-def sample(
-    probs: np.ndarray,  # probs: [V], non-negative, sum 1 (+- rounding)
-    rng: np.random.Generator,
-) -> int:
-    """Draw one token by inverse CDF with a single `rng.random()` (see `sample_at`)."""
-    return sample_at(probs, rng.random)
-
-
-def sample_at(
-    probs: np.ndarray,  # probs: [V], non-negative, sum 1 (+- rounding)
-    u,  # a float in [0, 1), or a callable returning one (drawn after the checks)
-) -> int:
-    """The token at uniform u by inverse CDF: i with cdf[i-1] <= u * total < cdf[i].
-
-    The CDF is scaled by its own total, so rows summing to 1 +- 1e-6 (float32
-    rounding) are fine. A zero-probability token is never returned: each returned
-    index i satisfies cdf[i-1] <= u * total < cdf[i], i.e. probs[i] > 0. The same u
-    gives the same token for the same probs: a position-keyed u (runtime/batch/choice.py)
-    makes sampled output independent of how rounds and batches were formed.
-    """
-    cdf = np.cumsum(probs, dtype=np.float64)
-    total = cdf[-1] if cdf.size else 0.0
-    if not (total > 0 and np.isfinite(total)):
-        raise ValueError(
-            f"probs sums to {total}; pass a [V] distribution with positive finite mass"
-        )
-    u = u() if callable(u) else u
-    i = int(np.searchsorted(cdf, u * total, side="right"))
-    if i >= cdf.size:
-        # u * total rounded up to total; take the last token with positive mass.
-        i = int(np.flatnonzero(probs > 0)[-1])
-    return i
-
-
-def accept_probability(p_x: float, q_x: float) -> float:
-    """min(1, p(x) / q(x)): the chance of keeping draft token x.
-
-    q(x) == 0 happens when the proposer has no distribution (greedy draft, n-gram
-    lookup) or its warp cut x; we never divide then: keep x iff the target allows it.
-    """
-    if q_x <= 0.0:
-        return 1.0 if p_x > 0.0 else 0.0
-    return min(1.0, float(p_x) / float(q_x))
-
-
-def residual_distribution(
-    p: np.ndarray,  # p: [V] target probs at the rejected position
-    q: np.ndarray,  # q: [V] draft probs at the same position
-    out: np.ndarray,  # out: [V] float32, overwritten
-) -> np.ndarray:  # -> out: [V]
-    """norm(max(0, p - q)) into `out`: where the recovered token is drawn from.
-
-    The residual is all zero only when p == q, where a rejection cannot happen
-    (every accept probability is 1); fall back to p rather than divide by zero.
-    """
-    np.subtract(p, q, out=out)
-    np.maximum(out, 0.0, out=out)
-    return _normalised_or_p(out, p)
-
-
-def residual_without(
-    p: np.ndarray,  # p: [V] target probs at the rejected position
-    x: int,  # the rejected token of a deterministic proposal (q one-hot on x)
-    out: np.ndarray,  # out: [V] float32, overwritten
-) -> np.ndarray:  # -> out: [V]
-    """The residual norm(max(0, p - q)) when q is one-hot on x (prompt lookup, a table guess):
-    p with x removed, renormalised. The same numbers `residual_distribution` gives for a
-    one-hot q row, without materialising the row."""
-    np.copyto(out, p)
-    out[x] = 0.0
-    return _normalised_or_p(out, p)
-
-
-def _normalised_or_p(out: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """out / out.sum() in place; p itself when out is all zero (p == q: no rejection happens)."""
-    total = out.sum()
-    if total > 0.0:
-        np.divide(out, total, out=out)
-    else:
-        np.copyto(out, p)
-    return out
-
-
 @dataclass(frozen=True)
 class Verdict:
     """Outcome of verifying one step of k draft tokens.
@@ -351,40 +257,3 @@ def verify_greedy(
         i = int(mismatch[0])
         return Verdict(n_accepted=i, next_token=int(target_argmax[i]), bonus=False)
     return Verdict(n_accepted=k, next_token=int(target_argmax[k]), bonus=True)
-
-
-def verify_sampled(
-    p: np.ndarray,  # p: [k+1, V] warped target probs at each verify position
-    q: np.ndarray | None,  # q: [k, V] warped draft probs, or None: each x_i is a deterministic guess
-    draft_tokens: np.ndarray,  # draft_tokens: [k] int, x_i was drawn from q[i]
-    rng: np.random.Generator,
-    scratch: np.ndarray,  # scratch: [V] float32, residual work buffer
-) -> Verdict:
-    """Speculative sampling: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)).
-
-    At the first rejection the recovered token is drawn from norm(max(0, p_i - q_i));
-    if all k are accepted the bonus token is drawn from p[k]. Emitted tokens are then
-    distributed exactly as p, for any q (provided x_i really was drawn from q[i]).
-    q None: the proposal has no distribution (prompt lookup, a table): q is one-hot on each
-    x_i, so x_i is kept with probability p_i(x_i) and the residual is p_i without x_i.
-
-    Uses k' + 1 draws of `rng.random()`, where k' is the number of draft tokens
-    examined. The test is `u < a` with u in [0, 1), so P(accept) is exactly a and a
-    token the target gives probability 0 is never accepted.
-    """
-    k = draft_tokens.shape[0]
-    if p.ndim != 2 or draft_tokens.ndim != 1 or p.shape[0] != k + 1 or (q is not None and q.shape != (k, p.shape[1])):
-        raise ValueError(
-            f"p has shape {p.shape}, q {q.shape}, draft_tokens {draft_tokens.shape}; "
-            "expected p [k+1, V], q [k, V], draft_tokens [k]"
-        )
-    _check_vector("scratch", scratch, p.shape[1])
-
-    for i in range(k):
-        x = int(draft_tokens[i])
-        a = accept_probability(float(p[i, x]), 1.0 if q is None else float(q[i, x]))
-        if rng.random() < a:
-            continue
-        residual = residual_without(p[i], x, scratch) if q is None else residual_distribution(p[i], q[i], scratch)
-        return Verdict(n_accepted=i, next_token=sample(residual, rng), bonus=False)
-    return Verdict(n_accepted=k, next_token=sample(p[k], rng), bonus=True)

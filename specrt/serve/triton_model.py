@@ -46,6 +46,10 @@ def _scalar(request, name: str, default):
     v = t.as_numpy().reshape(-1)
     if v.size == 0:
         return default
+    if isinstance(v[0], np.floating) and v.dtype.itemsize < 8:
+        # an FP32 input holds the client's 0.8 as 0.800000011920929: take the shortest decimal that
+        # is the same FP32 number, so a seeded sample is the one the other APIs give for 0.8
+        return float(np.format_float_positional(v[0], unique=True))
     return v[0].item() if isinstance(v[0], np.generic) else v[0]
 
 

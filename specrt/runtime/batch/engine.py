@@ -7,7 +7,7 @@ Each call to `step()`:
        if a row is free and no other prompt is being prefilled
     3. one round for every running row: plain, pair, lookup or draft, chosen for the batch
        by measured cost (policy.py); each row keeps its own agreeing prefix and its own
-       length, and emits the target's choices (choice.py), so its tokens do not depend on
+       length, and emits the target's choices (runtime/choice.py), so its tokens do not depend on
        what else is in the batch
     4. one prefill chunk of the admitted request (so a running stream waits for at most
        one chunk per step); after its last chunk it gets its first token and runs
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrt.runtime.batch.choice import choose, first_mismatch
 from specrt.runtime.batch.model import BatchModel
 from specrt.runtime.batch.policy import BatchPolicy, StepChoice
 from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row
+from specrt.runtime.choice import choose, first_mismatch
 from specrt.runtime.rounds import RoundKind
 
 log = logging.getLogger(__name__)

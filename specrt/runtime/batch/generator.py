@@ -12,7 +12,7 @@ chosen per step); requests are submitted from any thread or coroutine and stream
 events (request.py: Delta, Done, Failed) to a sink: by default the handle's own queue,
 which `chunks()` / `result()` read; a server passes its own sink (an event loop's
 `call_soon_threadsafe`). Greedy tokens equal the request run alone; a seeded sample is the
-same whatever else is in the batch (choice.py).
+same whatever else is in the batch (runtime/choice.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ n rows (manifest `build.speculation.batch_costs_ms`, measured by the build). E(a
 (1 - a^(k+1)) / (1 - a), with each row's own acceptance estimate per proposer (a Beta
 with forgetting, as runtime/adaptive.py). Guesses (prompt lookup, the 1-gram match, the
 n-gram table) are per row. Which step runs changes only the speed: every row emits the
-target's own choices (choice.py), so greedy output equals the request run alone and a
+target's own choices (runtime/choice.py), so greedy output equals the request run alone and a
 seeded sample is the same whatever the batch.
 
 Without measured batch costs the policy runs plain steps only (it cannot know what pays).

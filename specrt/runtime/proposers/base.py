@@ -1,9 +1,9 @@
 """The proposer seam: whatever guesses the next tokens for the target to verify.
 
-    Proposer.begin(prompt)        a new generation (a model draft prefills its own cache)
-    Proposer.propose(seq, k)      -> Proposal: up to k tokens continuing seq, and, for a
-                                     model that sampled them, the distributions they were
-                                     drawn from (q rows); None for a deterministic guess
+    Proposer.begin(prompt, params, seed)
+                                  a new generation (a model draft prefills its own cache;
+                                  it samples with the request's params and seed)
+    Proposer.propose(seq, k)      -> Proposal: up to k tokens continuing seq
     Proposer.accept(n)            the verdict of the last proposal: n of its tokens kept
                                   (the loop records it in `stats` before calling this)
     Proposer.end(committed)       the generation is over (or abandoned): rows past
@@ -31,11 +31,10 @@ NO_TOKENS = np.zeros(0, np.int64)
 
 @dataclass(frozen=True)
 class Proposal:
-    """tokens: [n] int64 (a view; valid until the next propose). q: [n, V] float32, the warped
-    distributions the tokens were sampled from, or None when the proposer has none (greedy
-    drafting, prompt lookup, a table): the accept rule then treats q as one-hot on the token."""
+    """tokens: [n] int64 (a view; valid until the next propose). The accept rule needs no
+    distribution (runtime/choice.py): a model that samples draws its tokens with the noise
+    the target's choices use, which is what makes them likely to be kept."""
     tokens: np.ndarray
-    q: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,8 +66,8 @@ class Proposer(Protocol):
     name: str
     stats: ProposerStats
 
-    def begin(self, prompt: Sequence[int], params=None, rng=None) -> None:
-        """params/rng: the generation's sampling (a model draft samples its proposals with them)."""
+    def begin(self, prompt: Sequence[int], params=None, seed: int = 0) -> None:
+        """params/seed: the generation's sampling (a model draft samples its proposals with them)."""
         ...
 
     def propose(self, seq: Sequence[int], k: int) -> Proposal: ...
@@ -87,7 +86,7 @@ class Stateless:
         self.stats = ProposerStats()
         self._buf = np.zeros(max(k_max, 1), np.int64)
 
-    def begin(self, prompt: Sequence[int], params=None, rng=None) -> None:
+    def begin(self, prompt: Sequence[int], params=None, seed: int = 0) -> None:
         pass
 
     def accept(self, n: int) -> None:
@@ -115,9 +114,9 @@ class Chain:
         self.stats = ProposerStats()
         self._used: Proposer | None = None
 
-    def begin(self, prompt: Sequence[int], params=None, rng=None) -> None:
+    def begin(self, prompt: Sequence[int], params=None, seed: int = 0) -> None:
         for p in self.proposers:
-            p.begin(prompt, params, rng)
+            p.begin(prompt, params, seed)
 
     def propose(self, seq: Sequence[int], k: int) -> Proposal:
         self._used = None

@@ -8,9 +8,10 @@ Two cache kinds (manifest `kv.shares_cache_with`):
   and writes its guesses into rows [len(seq)-1, ...) that the verify pass then overwrites,
   so it has no state of its own.
 
-Greedy: the backend's argmax of each step (a device backend reads back one integer); no q.
-Sampled: each token is drawn from the warped draft distribution, kept in q for the accept
-rule (the same `SamplingParams` warp the target gets: runtime/sampling.py).
+Greedy: the backend's argmax of each step (a device backend reads back one integer).
+Sampled: each token is the draft's own choice at its position (runtime/choice.py: the same
+`SamplingParams` warp and the same noise, keyed by the request's seed and the position, as
+the target's choice there), so it is kept about as often as Leviathan's rule would keep it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import numpy as np
 from specrt.runtime.backends.base import ModelRunner
 from specrt.runtime.proposers.base import EMPTY, Proposal, ProposerStats
 from specrt.runtime.rounds import prefill
-from specrt.runtime.sampling import SamplingParams, probs_from_logits, sample
+from specrt.runtime.choice import choose
+from specrt.runtime.sampling import SamplingParams
 
 
 class DraftModel:
@@ -32,14 +34,14 @@ class DraftModel:
         self.model, self.shared = model, model.shares_cache
         self.prefill_tokens = prefill_tokens
         self.tokens = np.zeros(max(k_max, 1), np.int64)         # [k] drafted tokens
-        self.q = np.zeros((max(k_max, 1), vocab), np.float32)   # [k, V] their warped distributions
+        self.scratch = np.zeros(vocab, np.float32)               # [V] a warped draft row
         self.stats = ProposerStats()
-        self.params, self.rng = SamplingParams(), None
+        self.params, self.seed = SamplingParams(), 0
         self.length = 0          # own cache: rows with K/V of seq (the draft's own valid length)
         self._at, self._k = 0, 0   # the last proposal: its first position and size
 
-    def begin(self, prompt: Sequence[int], params: SamplingParams | None = None, rng=None) -> None:
-        self.params, self.rng = params or SamplingParams(), rng
+    def begin(self, prompt: Sequence[int], params: SamplingParams | None = None, seed: int = 0) -> None:
+        self.params, self.seed = params or SamplingParams(), seed
         if not self.shared:
             prefill(self.model, self.prefill_tokens, prompt)
             self.length = len(prompt)
@@ -60,9 +62,10 @@ class DraftModel:
                 m.argmax_step("decode", (x,), at + j, self.tokens[j:j + 1])
                 x = int(self.tokens[j])
             else:
-                x = sample(probs_from_logits(m.step("decode", (x,), at + j)[0], params, self.q[j]), self.rng)
+                # the token at position at + j + 1 (its index in seq), coupled to the target's choice there
+                x = choose(m.step("decode", (x,), at + j)[0], params, self.seed, at + j + 1, self.scratch)
                 self.tokens[j] = x
-        return Proposal(self.tokens[:k], None if params.greedy else self.q[:k])
+        return Proposal(self.tokens[:k])
 
     def accept(self, n: int) -> None:
         """Rows at..at+k hold K/V of cur and the drafted tokens; the first n drafted ones were kept,

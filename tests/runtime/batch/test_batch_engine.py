@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fake_batch import FakeLM, FakeTokenizer
 
-from specrt.runtime.batch.choice import choose
+from specrt.runtime.choice import choose
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
 from specrt.runtime.batch.request import Delta, Done, Request

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fake_batch import FakeLM, hold_until_added
 
-from specrt.runtime.batch.choice import choose
+from specrt.runtime.choice import choose
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
