@@ -35,7 +35,7 @@ $(GGUF): | venv
 # test always use the CPU engines in $(ENGINES).
 BACKEND ?= ort-cpu
 BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/engines/*.py specrt/builder/*.py \
-                 specrt/builder/gates/*.py) specrt/driver.py specrt/manifest.py
+                 specrt/builder/gates/*.py) specrt/driver.py specrt/manifest.py specrt/cpu_features.py
 BACKEND_ENGINES := $(if $(filter ort-cpu,$(BACKEND)),$(ENGINES),$(ENGINES)-$(BACKEND))
 engines: $(BACKEND_ENGINES)/manifest.json
 $(ENGINES)/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv

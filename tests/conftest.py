@@ -33,7 +33,7 @@ def _build_key() -> str:
     src = ROOT / "specrt"
     globs = [sorted(src.glob(g)) for g in ("export/*.py", "calibration/*.py", "engines/*.py", "builder/**/*.py")]
     assert all(globs), "a build-side folder moved: update _build_key (a stale key reuses outdated tiny engines)"
-    files = [*sum(globs, []), src / "driver.py", src / "manifest.py", TESTS / "tiny_models.py"]
+    files = [*sum(globs, []), src / "driver.py", src / "manifest.py", src / "cpu_features.py", TESTS / "tiny_models.py"]
     for f in sorted(files):
         h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     h.update(inspect.getsource(build_tiny).encode())
