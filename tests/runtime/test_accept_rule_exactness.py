@@ -226,7 +226,9 @@ def test_a_wrong_rule_fails_the_same_check(monkeypatch, module, name, wrong, who
     propose = {"plain": plain, "draft": draft_of(chain), "guesser": guesser_of(chain)}[who]
     monkeypatch.setattr(module, name, wrong)
     joint_fit, _ = fits(decode(chain, propose, 0 if who == "plain" else K, range(N_WRONG)), chain)
-    assert joint_fit.p_value < P_VALUE_CEILING and joint_fit.tv > joint_fit.tv_bound, joint_fit
+    # chi-square decides (p far below what an exact rule gives); the TV bound is loose for a small
+    # bias like the block level's (TV 0.065 under a bound of 0.076 at 4,000 runs)
+    assert not joint_fit.passes and joint_fit.p_value < P_VALUE_CEILING, joint_fit
 
 
 # --- 2. the same seed, the same tokens, whatever the proposer and k --------------------------
