@@ -40,7 +40,10 @@ def cmd_build(a) -> int:
 
 def cmd_generate(a) -> int:
     from specrt.runtime import SpeculativeGenerator
-    method = "plain" if a.plain else "lookup" if a.lookup else "speculative"
+    from specrt import manifest as mf
+    # no --plain / --lookup: the draft when the folder has one, else plain decoding
+    method = "plain" if a.plain else "lookup" if a.lookup else \
+        "speculative" if mf.load(a.engines).draft is not None else "plain"
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
                                methods=(method,))
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),

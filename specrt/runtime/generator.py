@@ -129,6 +129,14 @@ class SpeculativeGenerator(TextStreaming):
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
 
+    @property
+    def default_method(self) -> Method:
+        """What a call without `method` runs: the draft model when loaded, else plain decoding
+        (an engine folder built with --draft none speculates only when asked, with method='lookup')."""
+        if Method.SPECULATIVE in self.methods:
+            return Method.SPECULATIVE
+        return Method.PLAIN if Method.PLAIN in self.methods else self.methods[0]
+
     def _load(self, man: mf.Manifest, threads: int, memory: str, profile_dir, extra: dict) -> None:
         if profile_dir:
             extra["profile_dir"] = Path(profile_dir)
@@ -199,15 +207,18 @@ class SpeculativeGenerator(TextStreaming):
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | dict | None = None,
-               method: str = "speculative", ngram: int = 2, adaptive: bool | None = None) -> Iterator[Emitted]:
+               method: str | None = None, ngram: int = 2, adaptive: bool | None = None) -> Iterator[Emitted]:
         """Yield generated tokens as they become final (EOS included; the caller stops).
         Arguments are checked here, before the first token is asked for.
-        method: "speculative" (draft model), "plain", or "lookup" (prompt lookup: proposes the
+        method: None (default): "speculative" when this generator loaded a draft, else "plain";
+        "speculative" (draft model), "plain", or "lookup" (prompt lookup: proposes the
         continuation of the latest earlier match of the last `ngram` tokens; greedy only).
         With adaptive k, "speculative" also verifies prompt lookup's guess (n = `ngram`) in
         rounds where that pays better than the draft; ngram=0 turns this off.
         adaptive: this call's setting (None: the instance's, see __init__)."""
         sampling = SamplingParams.coerce(sampling)    # a SamplingParams, a mapping of its fields, or None
+        if method is None:
+            method = self.default_method
         if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < (1 if method == "lookup" else 0):
             raise SamplingParamsError(f"ngram={ngram!r} must be an integer >= 1 (the n of the n-gram match; "
                                       "0 turns prompt lookup off in speculative decoding)")

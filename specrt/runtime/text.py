@@ -42,7 +42,7 @@ class TextStreaming:
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
-               system: str | None = None, method: str = "speculative", ngram: int = 2,
+               system: str | None = None, method: str | None = None, ngram: int = 2,
                stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
         """Yield text chunks as tokens are accepted; stops on EOS, a stop string, one of
         `stop_token_ids`, the token budget or the maximum context (`last_metrics.finish_reason`

@@ -255,5 +255,18 @@ def test_engines_without_a_draft_decode_plainly_and_refuse_to_speculate(tmp_path
     g = SpeculativeGenerator(d)
     assert g.manifest.draft is None and g.methods == ("plain", "lookup")
     assert len(_tokens(g, PROMPTS[0], 8, "plain")) == 8
+    # a call without a method runs what the folder has: plain decoding here, not a refusal
+    assert g.default_method == "plain" and g.generate(PROMPTS[0], max_new_tokens=8).tokens == _tokens(g, PROMPTS[0], 8, "plain")
+    assert g.last_metrics.method == "plain"
     with pytest.raises(SamplingParamsError, match="without a draft model"):
         SpeculativeGenerator(d, methods=("speculative",))
+    with pytest.raises(SamplingParamsError, match="without a draft model"):
+        g.generate(PROMPTS[0], max_new_tokens=8, method="speculative")
+    from specrt.cli import main
+    assert main(["generate", str(d), "hello", "--raw", "--max-new-tokens", "4"]) == 0     # no --plain needed
+
+
+def test_a_call_without_a_method_speculates_when_a_draft_is_loaded(gen):
+    assert gen.default_method == "speculative"
+    gen.generate(PROMPTS[0], max_new_tokens=8)
+    assert gen.last_metrics.method == "speculative"
