@@ -42,13 +42,18 @@ def test_the_build_recorded_parity_within_tolerance(real_engines):
 def test_greedy_speculative_is_identical_to_plain_on_real_prompts(gen, i):
     ids = gen.encode_prompt(PROMPTS[i], chat=True)
     plain = [e.token for e in gen.tokens(ids, max_new_tokens=128, method="plain")]
-    spec = [e.token for e in gen.tokens(ids, max_new_tokens=128, method="speculative")]
+    # fixed k: the int8 draft proposes in every round, so its acceptance is a property of the two
+    # models. (Adaptive k, the default, chooses rounds by the step costs the build measured, which
+    # depend on how busy the build machine was: a loaded build once made it draft 69 of 128 tokens.)
+    spec = [e.token for e in gen.tokens(ids, max_new_tokens=128, method="speculative", adaptive=False)]
     m = gen.last_metrics
-    if spec != plain:   # show whether the first divergence is a near-tie or a bug
-        j = next(n for n, (a, b) in enumerate(zip(spec, plain)) if a != b)
-        pytest.fail(f"diverged at token {j}: spec {spec[j]} vs plain {plain[j]}; {_margin_at(gen, ids, plain, j)}")
+    for name, got in [("speculative", spec)] + \
+            [("adaptive", [e.token for e in gen.tokens(ids, max_new_tokens=128, method="speculative")])] * (i % 2):
+        if got != plain:   # show whether the first divergence is a near-tie or a bug
+            j = next(n for n, (a, b) in enumerate(zip(got, plain)) if a != b)
+            pytest.fail(f"{name} diverged at token {j}: {got[j]} vs plain {plain[j]}; {_margin_at(gen, ids, plain, j)}")
     assert len(spec) == 128
-    assert m.acceptance_rate > 0.5       # the int8 draft really is being used
+    assert m.drafted >= 100 and m.acceptance_rate > 0.5       # the int8 draft really is being used
 
 
 def _margin_at(gen, ids, plain, j) -> str:
@@ -64,9 +69,11 @@ def test_speculative_sampling_runs_and_is_seeded(gen):
     from specrt.runtime import SamplingParams
     ids = gen.encode_prompt(PROMPTS[9], chat=True)
     p = SamplingParams(temperature=0.7, top_p=0.9, seed=5)
-    a = [e.token for e in gen.tokens(ids, max_new_tokens=32, sampling=p)]
-    b = [e.token for e in gen.tokens(ids, max_new_tokens=32, sampling=p)]
-    assert a == b and 0 < gen.last_metrics.acceptance_rate <= 1
+    a = [e.token for e in gen.tokens(ids, max_new_tokens=32, sampling=p, adaptive=False)]    # the draft every round
+    b = [e.token for e in gen.tokens(ids, max_new_tokens=32, sampling=p)]     # adaptive k: other rounds, same tokens
+    c = [e.token for e in gen.tokens(ids, max_new_tokens=32, sampling=p, method="plain")]
+    assert a == b == c
+    assert gen.last_metrics.method == "plain"
 
 
 def test_greedy_decode_loop_allocates_no_arrays(gen):
