@@ -244,7 +244,7 @@ def _check_structure(raw: dict) -> None:
     for name in ("build", "quality"):    # optional objects
         if raw.get(name) is not None and not isinstance(raw[name], dict):
             raise TypeError(f"{name} must be an object, got {type(raw[name]).__name__}")
-    bad = [k for k in ("kind", "backend", "machine", "os") if not isinstance(raw["device"].get(k, ""), str)]
+    bad = [k for k in ("kind", "backend", "machine", "os", "int8_kernels") if not isinstance(raw["device"].get(k, ""), str)]
     if bad:
         raise TypeError(f"device.{bad[0]} must be a string")
     for role, m in raw["models"].items():

@@ -99,6 +99,13 @@ def test_an_fp32_folder_recorded_with_the_other_path_loads(tiny_batch_rows_engin
     LOADERS[how](d)
 
 
+@pytest.mark.parametrize("value", [["dot"], 1, None])
+def test_a_damaged_int8_path_is_a_manifest_error_not_a_crash(tiny_batch_same_engines, tmp_path, avx2_here, value):
+    d = copy_engines(tiny_batch_same_engines, tmp_path)
+    edit_manifest(d, lambda m: m["device"].update(int8_kernels=value))
+    assert "device.int8_kernels must be a string" in expect(mf.ManifestError, mf.load, d)
+
+
 @pytest.mark.parametrize("how", LOADERS)
 def test_a_manifest_written_before_the_field_loads(tiny_batch_same_engines, tmp_path, avx2_here, how):
     LOADERS[how](recorded(tiny_batch_same_engines, tmp_path, None))
