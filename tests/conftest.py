@@ -159,6 +159,16 @@ def tiny_batch_rows_engines(tmp_path_factory, tiny_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_rows_draft_engines(tmp_path_factory, tiny_pair) -> Path:
+    """tiny_batch_rows_engines with the int8 self-draft (`--draft int8`): the batched model gets
+    a "draft" graph, the int8 copy of its step graph, that runs inside the batch."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-rows-draft",
+                 lambda d: build_tiny(d / "batchrd", target, "int8", batch=True, batch_attention="rows",
+                                      measure_costs=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair

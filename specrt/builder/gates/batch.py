@@ -45,15 +45,18 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     from specrt.export import onnx_export
     shapes = cfg.shapes
     rowwise = cfg.batch_prefill_graph == "rowwise"
-    src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise else "_batch_fp32")
     attention = cfg.batch_attention or target_part.get("attention", cfg.attention)
+    draft = draft_spec(cfg, attention)
+    src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise and draft is None else "_batch_fp32")
     part = onnx_export.export_model(tgt, shapes, src, attention=attention,
                                     batch="dynamic", tokens={"step": "dynamic"})
-    if cfg.precision != "fp32" or rowwise:
+    if cfg.precision != "fp32" or rowwise or draft is not None:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
-        # graph once more as "prefill", int8 per channel: both in one weights file
+        # graph once more as "prefill", int8 per channel; with an int8 self-draft, once more as
+        # "draft", quantized as the one-row draft: all in one weights file
         specs = {"step": quantize.QuantSpec(**cfg.batch_quantization) if cfg.precision != "fp32" else None,
-                 **({"prefill": quantize.QuantSpec("rowwise")} if rowwise else {})}
+                 **({"prefill": quantize.QuantSpec("rowwise")} if rowwise else {}),
+                 **({"draft": draft} if draft is not None else {})}
         q = quantize.quantize_graphs(src, part, tmp / "batch", tuple(specs), specs, source={g: "step" for g in specs})
         part = {**part, **{k: q[k] for k in ("graphs", "weights")}}
         if quantize.odd_rows_round_apart(cfg.batch_quantization):
@@ -67,11 +70,16 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     if rowwise:     # what `specrt inspect` shows of the second graph
         source["prefill_graph"] = {"runs": "prefill chunks (decode and verify steps run step)",
                                    **quantize.QuantSpec("rowwise").describe()}
+    if draft is not None:
+        source["draft_graph"] = {"runs": "the int8 self-draft's steps inside a batch (shared cache: the verify "
+                                         "pass overwrites what it writes)", **draft.describe()}
     part.update(subdir="batch", family=target_part["family"], precision=target_part["precision"], source=source,
                 kv={**target_part["kv"], "update": part["kv_update"]})
     part["parity"] = {"batch_invariance": invariance(tmp, part, shapes, prompts),
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
                       "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts)}
+    if draft is not None:
+        part["parity"]["draft_agreement"] = draft_agreement(tmp, part, shapes, prompts)
     inv = part["parity"]["batch_invariance"]
     if not inv["equal"]:
         cache = f"; reading the whole cache: {inv['kv_len']['max_abs_logit_delta']:.3g}" if "kv_len" in inv else ""
@@ -83,10 +91,30 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     return part
 
 
-def _model(tmp: Path, part: dict, shapes, rows: int):
+def draft_spec(cfg, attention: str):
+    """How the batched model's "draft" graph is quantized, or None when it gets none: the int8
+    self-draft (--draft int8 / int8-dynamic, its whole vocabulary) inside a batch, which only a
+    batch that verifies windows runs (not "gqa": ONNX Runtime's CPU GroupQueryAttention refuses
+    several tokens in several rows, window_invariance)."""
+    from specrt.calibration.int8 import SPECS
+    if attention == "gqa" or cfg.draft_vocab is not None:
+        return None
+    return {"int8": SPECS["blockwise"], "int8-dynamic": SPECS["dynamic"]}.get(cfg.draft_kind)
+
+
+def _model(tmp: Path, part: dict, shapes, rows: int, graphs=None, cache=None):
     from specrt.builder.manifest_writer import model_entry
     from specrt.runtime.backends.ort_batch import OrtBatchModel
-    return OrtBatchModel(tmp, model_entry("batch", part, "batch"), shapes, rows=rows, threads=2)
+    entry = model_entry("batch", part, "batch")
+    if graphs is None:
+        graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
+    return OrtBatchModel(tmp, entry, shapes, rows=rows, threads=2, graphs=graphs, cache=cache,
+                         **({"serves": "draft", "min_rows": 1} if graphs == ("draft",) else {}))
+
+
+def draft_model(tmp: Path, part: dict, shapes, target):
+    """The batched "draft" graph over `target`'s cache (as runtime/batch/generator.open_batch loads it)."""
+    return _model(tmp, part, shapes, target.rows, graphs=("draft",), cache=target.cache)
 
 
 def _prefill(model, rows_ids, shapes, lasts: list | None = None, gather: bool = True) -> list[int]:
@@ -238,6 +266,28 @@ def window_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
             "max_abs_logit_delta": worst[m], "delta_by_min_tokens": {str(t): d for t, d in worst.items()}}
 
 
+def draft_agreement(tmp: Path, part: dict, shapes, prompts) -> dict:
+    """Greedy top-1 agreement of the batched draft with the batched target (all rows in one
+    call), each step on the target's own greedy prefix: what acceptance inside a batch follows.
+    The draft writes its guess's K/V into the shared cache; the target's step then overwrites
+    it, as the verify pass does."""
+    rows_ids = [list(p[:shapes.max_context - STEPS * 2 - 1]) for p in prompts]
+    model = _model(tmp, part, shapes, len(rows_ids))
+    draft = draft_model(tmp, part, shapes, model)
+    cur = _prefill(model, rows_ids, shapes)
+    lengths = np.array([len(r) for r in rows_ids], np.int64)
+    same = total = 0
+    for _ in range(STEPS * 2):
+        toks = np.array(cur, np.int64)[:, None]
+        guess = np.argmax(draft.step("decode", toks, lengths, 0)[:, 0], axis=-1)
+        cur = [int(x) for x in np.argmax(model.step("decode", toks, lengths, 0)[:, 0], axis=-1)]
+        same += int(np.sum(guess == np.array(cur)))
+        total += len(cur)
+        lengths = lengths + 1
+    log.info("batched draft: top-1 agreement with the batched target %d / %d", same, total)
+    return {"positions": total, "equal_argmax": same, "top1_agreement": round(same / total, 4)}
+
+
 def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,
           warmup: int = 2) -> dict:
     """Median ms of one batched step per (T, rows) at `context` tokens of cache, timed
@@ -255,8 +305,18 @@ def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, r
         # (a model that pads odd calls writes a padding row into the free row after them)
         return lambda: model.step("step", toks, starts, 0, pad_start=context)
 
-    ms = interleaved_ms({c: step(*c) for c in cases}, runs=runs, warmup=warmup)
+    calls = {c: step(*c) for c in cases}
+    draft = draft_model(tmp, part, shapes, model) if "draft" in part["graphs"] else None
+    if draft is not None:       # one draft step (one token a row) at each row count
+        for n in ns:
+            toks, starts = np.ones((n, 1), np.int64), np.full(n, context, np.int64)
+            calls["draft", n] = (lambda t, s: lambda: draft.step("decode", t, s, 0, pad_start=context))(toks, starts)
+    ms = interleaved_ms(calls, runs=runs, warmup=warmup)
     target: dict[str, dict[str, float]] = {}
+    drafted: dict[str, float] = {}
     for (T, n), v in ms.items():
-        target.setdefault(str(T), {})[str(n)] = v
-    return {"target": target, "context": context, "runs": runs}
+        if T == "draft":
+            drafted[str(n)] = v
+        else:
+            target.setdefault(str(T), {})[str(n)] = v
+    return {"target": target, **({"draft": drafted} if drafted else {}), "context": context, "runs": runs}

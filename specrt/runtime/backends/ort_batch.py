@@ -59,7 +59,12 @@ def batch_graphs(entry: ModelEntry) -> bool:
 
 class OrtBatchModel:
     def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, rows: int, cache: BatchKV | None = None,
-                 graphs: tuple[str, ...] | None = None, threads: int = 2, min_rows: int | None = None):
+                 graphs: tuple[str, ...] | None = None, threads: int = 2, min_rows: int | None = None,
+                 serves: str = "step"):
+        """graphs: the entry's graphs to load (default: all). serves: the graph that runs the
+        engine's prefill, decode and verify calls not named by a graph of their own: "step" for
+        the target; "draft" for the int8 self-draft inside a batch (graphs=("draft",), over the
+        target's cache)."""
         if not batch_graphs(entry):
             raise ManifestError(f"the {entry.role} graphs of these engines have no batch dimension (built by an "
                                 "older specrt): rebuild them with `specrt build` to serve many requests at once, "
@@ -86,7 +91,7 @@ class OrtBatchModel:
         # the batched model of `specrt build --batch` has one graph, "step", with a symbolic T: it
         # serves the engine's prefill chunks, decode steps and verify windows alike; with
         # `--batch-prefill rowwise` a second graph, "prefill" (int8 weights), runs prompt chunks
-        alias = {g: "step" for g in ALIASES if g not in names} if "step" in names else {}
+        alias = {g: serves for g in ALIASES if g not in names} if serves in names else {}
         self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
                              else 0 for g in names}
         self.graph_tokens.update({a: self.graph_tokens[s] for a, s in alias.items()})

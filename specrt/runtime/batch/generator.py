@@ -187,7 +187,10 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     lookup) when the build showed that a position's logits do not depend on the window they
     are computed in (manifest parity `window_invariance`) and measured the batched step costs
     (`build.speculation.batch_costs_ms`); otherwise (ONNX Runtime's CPU GroupQueryAttention
-    graphs: docs/batching.md), or with speculate=False, every step is plain.
+    graphs: docs/batching.md), or with speculate=False, every step is plain. A build with the
+    int8 self-draft (`--draft int8`) and a batch that verifies windows gives the batched model
+    a "draft" graph (the int8 copy of its step graph): the draft then runs inside the batch,
+    one token a row per draft step over the target's cache, where its measured cost pays.
 
     buckets: run static row buckets (e.g. (1, 2, 4, 8)) through the device runner with one
     captured graph per bucket (backends/device_batch.py) instead of ONNX Runtime's dynamic
@@ -225,13 +228,20 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
         # "prefill": the int8 prompt-chunk graph of `--batch-prefill rowwise` builds
         graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
         model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=graphs, threads=threads)
+    policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
+    draft = None
+    if policy.has_draft:
+        # the int8 self-draft inside the batch: its "draft" graph over the target's cache (what it
+        # writes past a row's length the verify pass overwrites), one token a row per step
+        draft = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("draft",), serves="draft",
+                              cache=model.cache, threads=threads, min_rows=1)
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)
-    policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
-                         vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens)
+                         vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,
+                         draft=draft)
     return BatchGenerator(engine, tok, max_queue=max_queue)
 
 
@@ -244,9 +254,10 @@ def _check_entry(entry) -> None:
                                                for k in ("batch_invariance", "window_invariance")):
         raise ManifestError("models.batch.parity and its batch_invariance / window_invariance must be objects: "
                             "the manifest was edited; rebuild the engines with `specrt build ... --batch`")
-    if ("prefill_graph" in (entry.source or {})) != ("prefill" in entry.graphs):
-        raise ManifestError("models.batch lists a prefill graph without the build's source.prefill_graph, or the "
-                            "reverse: the manifest was edited; rebuild the engines with `specrt build ... --batch`")
+    for graph in ("prefill", "draft"):
+        if (f"{graph}_graph" in (entry.source or {})) != (graph in entry.graphs):
+            raise ManifestError(f"models.batch lists a {graph} graph without the build's source.{graph}_graph, or the "
+                                "reverse: the manifest was edited; rebuild the engines with `specrt build ... --batch`")
 
 
 def _policy(root, man, entry, speculate: bool):
@@ -269,4 +280,19 @@ def _policy(root, man, entry, speculate: bool):
         return BatchPolicy(None, k), min_tokens
     ngrams = (man.proposers or {}).get("ngrams")
     table = [TableGuess(NgramTable.load(root / ngrams["file"]))] if ngrams else []
-    return BatchPolicy(costs, k, lookup=PromptLookup(2, k), pair_guess=Chain([OneGram()] + table)), min_tokens
+    # the int8 self-draft inside the batch: its graph, and its step cost the build measured
+    draft = "draft" in entry.graphs and costs.draft(1) is not None
+    priors = {"draft": _draft_prior(entry)} if draft else None
+    return BatchPolicy(costs, k, lookup=PromptLookup(2, k), pair_guess=Chain([OneGram()] + table), draft=draft,
+                       priors=priors), min_tokens
+
+
+def _draft_prior(entry) -> float:
+    """The batched draft's prior acceptance: its top-1 agreement with the batched target that
+    the build measured (models.batch.parity.draft_agreement)."""
+    agreement = entry.parity.get("draft_agreement")
+    v = agreement.get("top1_agreement") if isinstance(agreement, dict) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        raise ManifestError(f"models.batch.parity.draft_agreement.top1_agreement={v!r} is not a number in [0, 1]: "
+                            "the manifest was edited; rebuild the engines with `specrt build ... --batch`")
+    return float(v)
