@@ -38,6 +38,7 @@ from specrt.runtime.loop import Adaptive, Emitted, FixedDraft, Lookup, Plain, de
 from specrt.runtime.methods import METHODS, Method
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.ngrams import NgramTable
+from specrt.runtime.one import BatchOfOne, speculates
 from specrt.runtime.prompt import check_request, encode_prompt
 from specrt.runtime.proposers import Chain, DraftModel, OneGram, PromptLookup, TableGuess
 from specrt.runtime.rounds import Workspace, prefill
@@ -52,7 +53,7 @@ class SpeculativeGenerator(TextStreaming):
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
                  memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full",
                  profile_dir: str | Path | None = None, adaptive: bool | None = None,
-                 backend_options: dict | None = None):
+                 backend_options: dict | None = None, engine: str = "auto"):
         """Load the engines in `engine_dir` (a folder written by `specrt build`).
 
         backend_options: passed to the backend that opens the models, e.g. {"cuda_graphs": False}
@@ -70,7 +71,11 @@ class SpeculativeGenerator(TextStreaming):
         the sessions load (~0.6 s of one core for the default engines, mostly hidden);
         "none" checks only that the files exist and the weights have their size.
         profile_dir: record ONNX Runtime's per-operator profile into this folder (slows every
-        step; `specrt profile` uses it; end it with `end_profiling()`)."""
+        step; `specrt profile` uses it; end it with `end_profiling()`).
+        engine: "auto" (default): a folder whose batched model verifies windows (`--batch
+        --batch-attention rows`) runs every request on it as a batch of one (runtime/one.py), the
+        engine its server runs, so both give the same tokens; other folders run their one-row
+        graphs. "one-row": the one-row graphs in any case (what `specrt bench` times)."""
         if verify not in mf.VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -102,6 +107,12 @@ class SpeculativeGenerator(TextStreaming):
         if isinstance(methods, str) or not methods or any(m not in METHODS for m in methods):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
         self.methods = tuple(Method(m) for m in methods)
+        if engine not in ("auto", "one-row"):
+            raise ConfigError(f"engine={engine!r}; choose 'auto' or 'one-row'")
+        self.one = None
+        if engine == "auto" and speculates(man):
+            self._open_one(man, threads, verify, memory, profile_dir, backend_options, adaptive)
+            return
         if any(m.needs_draft for m in self.methods) and man.draft is None:
             raise SamplingParamsError("these engines were built without a draft model (--draft none): pass "
                                       "methods=('plain',) or ('plain', 'lookup') (`specrt generate --plain`, or "
@@ -128,6 +139,26 @@ class SpeculativeGenerator(TextStreaming):
             _draft_prior(man)       # a damaged prior is a ManifestError now, not a TypeError mid-request
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
+
+    def _open_one(self, man, threads, verify, memory, profile_dir, backend_options, adaptive) -> None:
+        """The batched model as a batch of one (runtime/one.py): the folder's one engine."""
+        one_row = "; pass engine='one-row' to run the one-row graphs"
+        if memory != "fast" or profile_dir or backend_options:
+            raise ConfigError("memory, profile_dir and backend_options set up the one-row graphs; this folder runs "
+                              f"its batched model for every request{one_row}")
+        if adaptive is False:
+            raise ConfigError(f"this folder's batched engine chooses every round by measured cost{one_row} with "
+                              "fixed-k rounds")
+        if any(m.needs_draft for m in self.methods) and man.draft is None:
+            raise SamplingParamsError("these engines were built without a draft model (--draft none): pass "
+                                      "methods=('plain',) or ('plain', 'lookup')")
+        StepCosts.from_manifest((man.build or {}).get("speculation"))   # damaged one-row costs: refused here too
+        self.one = BatchOfOne(self.root, threads=threads, verify=verify, k=self.k)
+        self.tokenizer, self.vocab = self.one.tokenizer, int(man.batch.dims["vocab"])
+        self.target = self.draft = self.drafter = None
+        self.target_graphs, self.costs, self.adaptive = (), None, True
+        self.last_metrics = None
+        self._busy = threading.Lock()
 
     @property
     def default_method(self) -> Method:
@@ -235,7 +266,11 @@ class SpeculativeGenerator(TextStreaming):
                                       f"methods including {method!r} (it has {self.methods})")
         prompt_ids = check_request(prompt_ids, max_new_tokens, self.shapes.max_context, self.vocab)
         P, C = len(prompt_ids), self.shapes.max_context
-        if adaptive is not None:
+        if adaptive is not None and self.one is not None:
+            if adaptive is not True:
+                raise ConfigError("this folder's batched engine chooses every round by measured cost: adaptive must "
+                                  "be None or True (engine='one-row' runs fixed-k rounds)")
+        elif adaptive is not None:
             self._check_adaptive(adaptive, self.costs)
         return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram,
                             adaptive)
@@ -260,6 +295,10 @@ class SpeculativeGenerator(TextStreaming):
         m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
                                         prompt_tokens=P)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        if self.one is not None:
+            m = self.last_metrics = Metrics(method=method.value, k=self.k, prompt_tokens=P)
+            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram)
+            return
         planner = self._planner(method, ngram, adaptive)
         t_start = time.perf_counter()
         try:

@@ -138,7 +138,8 @@ def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens:
     variants = []
     for folder in folders:                   # load and warm one at a time: each one's RSS is its own growth
         before = rss_bytes()
-        gen = SpeculativeGenerator(folder, k=k, threads=threads, memory=memory)
+        # the one-row graphs in any folder (engine="one-row"): the methods this table compares run there
+        gen = SpeculativeGenerator(folder, k=k, threads=threads, memory=memory, engine="one-row")
         v = _Variant(folder, gen, {}, texts)
         _run(gen, v.prompt_ids[0], 8, sampling, "plain")           # warm-up: first-run allocations
         _run(gen, v.prompt_ids[0], 8, sampling, "speculative")

@@ -114,6 +114,11 @@ def describe(man: mf.Manifest) -> str:
         pg = m.source.get("prefill_graph")
         if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization
             lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}: {pg.get('runs')}")
+        dg = m.source.get("draft_graph")
+        if dg:      # the int8 self-draft inside a batch
+            agree = (m.parity or {}).get("draft_agreement") or {}
+            lines.append(f"  draft    {dg.get('method')}, {dg.get('bits')}-bit: {dg.get('runs')}; top-1 agreement "
+                         f"with this model {agree.get('top1_agreement', '?')}")
         q = m.source.get("quantization")
         if q:
             lines.append(f"  quant    {q.get('method')}, {q.get('bits')}-bit, block {q.get('block_size')}, "

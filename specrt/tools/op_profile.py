@@ -35,7 +35,7 @@ def run_profile(engines: str, out_dir: str | Path, *, prompt: str = "Explain why
         raise ConfigError(f"--out {out_dir}: cannot create the folder ({e.strerror or e}): choose another --out") \
             from None
     with tempfile.TemporaryDirectory(prefix="specrt-profile-") as tmp:
-        gen = SpeculativeGenerator(engines, threads=threads, profile_dir=tmp, methods=(method,))
+        gen = SpeculativeGenerator(engines, threads=threads, profile_dir=tmp, methods=(method,), engine="one-row")
         done = gen.generate(prompt, chat=bool(gen.tokenizer.chat_template), max_new_tokens=max_new_tokens,
                             method=method)
         files = gen.end_profiling()

@@ -115,6 +115,28 @@ class BatchEngine:
         self._evict()
         return did
 
+    def drive(self, req: Request):
+        """Run `req` from the calling thread on an engine that no thread steps (a batch of one):
+        yields its events (Delta, then Done) as the steps make them. Closing the generator early
+        cancels the request and frees its row."""
+        events: collections.deque = collections.deque()
+        req.sink = events.append
+        self.add(req)
+        done = False
+        try:
+            while not done:
+                self.step()
+                while events:
+                    ev = events.popleft()
+                    done = isinstance(ev, (Done, Failed))
+                    if isinstance(ev, Failed):
+                        raise ev.error
+                    yield ev
+        finally:
+            if not done:
+                req.cancel()
+                self.step()         # the cancelled row leaves (no round: it is dropped first)
+
     def fail_all(self, error: Exception) -> None:
         """Fail every request (the model raised): the engine cannot go on safely."""
         with self._lock:

@@ -196,6 +196,15 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     captured graph per bucket (backends/device_batch.py) instead of ONNX Runtime's dynamic
     rows; execution "cpu" runs that path here (tests), "cuda" is GPU-ONLY and NOT YET RUN ON
     A GPU (it needs fp16 batched graphs `specrt build --batch` does not make yet)."""
+    engine, tok = batch_engine(engines, max_num_seqs=max_num_seqs, threads=threads, verify=verify, buckets=buckets,
+                               execution=execution, speculate=speculate)
+    return BatchGenerator(engine, tok, max_queue=max_queue)
+
+
+def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: str = "full",
+                 buckets: Sequence[int] | None = None, execution: str = "cpu", speculate: bool = True):
+    """(BatchEngine, Tokenizer) of an engine folder, as open_batch describes, with no thread
+    stepping it (BatchEngine.drive runs a request from the caller's thread)."""
     from pathlib import Path
 
     from specrt import manifest as mf
@@ -242,7 +251,7 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,
                          draft=draft)
-    return BatchGenerator(engine, tok, max_queue=max_queue)
+    return engine, tok
 
 
 def _check_entry(entry) -> None:

@@ -1,0 +1,101 @@
+"""One engine, one answer: `SpeculativeGenerator` on a folder whose batched model verifies
+windows (the tiny fp32 target with `--draft int8 --batch --batch-attention rows`) runs every
+request on that model as a batch of one (runtime/one.py), so its tokens are the batched
+server's: greedy and seeded, whatever else shares the server's batch, with every method.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specrt.errors import ConcurrentUseError, ConfigError
+from specrt.runtime import SpeculativeGenerator
+from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.sampling import SamplingParams
+
+PROMPTS = ["a b a b a b a b a b", "the cat the cat the cat", "hello there", "x y z x y z x y z",
+           "one two three one two three"]
+NEW = 24
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_batch_rows_draft_engines):
+    return SpeculativeGenerator(tiny_batch_rows_draft_engines)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_batch_rows_draft_engines):
+    """The batched engine's answers, all prompts at once on 3 rows (rows join and leave)."""
+    with open_batch(tiny_batch_rows_draft_engines, max_num_seqs=3) as g:
+        return {name: [(c.tokens, c.finish_reason) for c in g.generate_batch(PROMPTS, max_new_tokens=NEW, sampling=sp)]
+                for name, sp in (("greedy", SamplingParams()), ("seeded", SEEDED))}
+
+
+def test_the_generator_runs_the_folders_batched_model(gen):
+    assert gen.one is not None and gen.target is None            # the one-row graphs are not loaded
+    assert gen.one.has_draft                                      # the int8 self-draft inside the batch
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_generate_gives_the_batched_servers_answers(gen, served, mode):
+    sp = SamplingParams() if mode == "greedy" else SEEDED
+    got = [(c.tokens, c.finish_reason) for c in (gen.generate(p, max_new_tokens=NEW, sampling=sp) for p in PROMPTS)]
+    assert got == served[mode]
+
+
+@pytest.mark.parametrize("method", ["plain", "lookup", "speculative"])
+def test_every_method_gives_the_same_greedy_tokens(gen, served, method):
+    got = [gen.generate(p, max_new_tokens=NEW, method=method).tokens for p in PROMPTS]
+    assert got == [t for t, _ in served["greedy"]]
+    assert gen.last_metrics.method == method
+
+
+def test_a_stop_string_ends_the_answer_and_the_next_request_is_exact(gen, served):
+    full = gen.generate(PROMPTS[0], max_new_tokens=NEW)
+    stop = full.text[3:6]
+    c = gen.generate(PROMPTS[0], max_new_tokens=NEW, stop=[stop])
+    assert c.finish_reason == "stop" and stop not in c.text and full.text.startswith(c.text)
+    assert gen.one.engine.idle()                                # the stopped request left its row
+    assert gen.generate(PROMPTS[1], max_new_tokens=NEW).tokens == served["greedy"][1][0]
+
+
+def test_closing_a_stream_early_frees_the_row(gen, served):
+    stream = gen.stream(PROMPTS[2], max_new_tokens=NEW)
+    next(stream)
+    stream.close()
+    assert gen.one.engine.idle()
+    assert gen.generate(PROMPTS[3], max_new_tokens=NEW).tokens == served["greedy"][3][0]
+
+
+def test_two_open_streams_are_refused_as_before(gen):
+    first = gen.stream(PROMPTS[0], max_new_tokens=NEW)
+    next(first)
+    with pytest.raises(ConcurrentUseError):
+        next(gen.stream(PROMPTS[1], max_new_tokens=NEW))
+    first.close()
+    done = threading.Event()
+    threading.Thread(target=lambda: (gen.generate(PROMPTS[1], max_new_tokens=4), done.set())).start()
+    assert done.wait(60)
+
+
+def test_one_row_options_are_refused_with_the_fix(tiny_batch_rows_draft_engines, tmp_path):
+    for kw in ({"memory": "shared"}, {"profile_dir": tmp_path}, {"backend_options": {"x": 1}}, {"adaptive": False}):
+        with pytest.raises(ConfigError, match="engine='one-row'"):
+            SpeculativeGenerator(tiny_batch_rows_draft_engines, **kw)
+    with pytest.raises(ConfigError, match="engine="):
+        SpeculativeGenerator(tiny_batch_rows_draft_engines, engine="batch")
+
+
+def test_engine_one_row_runs_the_one_row_graphs(tiny_batch_rows_draft_engines, gen):
+    one_row = SpeculativeGenerator(tiny_batch_rows_draft_engines, engine="one-row", methods=("plain",))
+    assert one_row.one is None and one_row.target is not None
+    assert list(gen.tokens([1, 2, 3], max_new_tokens=4, adaptive=True))
+    with pytest.raises(ConfigError, match="adaptive"):
+        gen.tokens([1, 2, 3], max_new_tokens=4, adaptive=False)
+
+
+def test_a_folder_whose_batch_runs_plain_steps_keeps_its_one_row_graphs(tiny_batch_engines):
+    gen = SpeculativeGenerator(tiny_batch_engines, methods=("plain",))      # gqa: no windows in a batch
+    assert gen.one is None and gen.target is not None
