@@ -144,8 +144,9 @@ class SpeculativeGenerator(TextStreaming):
         """The batched model as a batch of one (runtime/one.py): the folder's one engine."""
         one_row = "; pass engine='one-row' to run the one-row graphs"
         if memory != "fast" or profile_dir or backend_options:
-            raise ConfigError("memory, profile_dir and backend_options set up the one-row graphs; this folder runs "
-                              f"its batched model for every request{one_row}")
+            raise ConfigError("memory='shared' (--memory shared), profile_dir and backend_options set up the one-row "
+                              "graphs; this folder runs its batched model for every request (the engine its batched "
+                              f"server runs): leave them out{one_row}")
         if adaptive is False:
             raise ConfigError(f"this folder's batched engine chooses every round by measured cost{one_row} with "
                               "fixed-k rounds")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from specrt.runtime.batch.generator import batch_engine
-from specrt.runtime.batch.policy import BatchPolicy
+from specrt.runtime.batch.generator import check_batch_entry, batch_engine
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
 from specrt.runtime.batch.request import Delta, Done, Request
 from specrt.runtime.loop import Emitted
 from specrt.runtime.methods import Method
@@ -29,13 +29,22 @@ from specrt.runtime.proposers import PromptLookup
 
 
 def speculates(man) -> bool:
-    """Does this folder's batched model verify windows (the build's window_invariance gate)?
-    Then it is the folder's one engine for every caller."""
+    """Is this folder's batched model its one engine for every caller? It must verify windows
+    (the build's window_invariance gate), have the batched step costs its policy chooses by,
+    and, when the folder has a draft, that draft's batched graph: else a batch of one would
+    run plain steps where the one-row graphs speculate (an older build, --draft truncate:N or
+    a draft model, --draft-vocab, --no-measure-costs), and those folders keep their one-row
+    graphs. A damaged record is a ManifestError, as open_batch raises."""
     entry = man.batch
-    if entry is None or not isinstance(entry.parity, dict):
+    if entry is None:
         return False
-    win = entry.parity.get("window_invariance")
-    return isinstance(win, dict) and win.get("equal") is True
+    check_batch_entry(entry)
+    win = entry.parity.get("window_invariance") or {}
+    if win.get("equal") is not True:
+        return False
+    if BatchCosts.from_manifest((man.build or {}).get("speculation")) is None:
+        return False
+    return man.draft is None or "draft" in entry.graphs
 
 
 class BatchOfOne:
@@ -65,17 +74,23 @@ class BatchOfOne:
         t0 = time.perf_counter()
         stream = eng.drive(Request(list(prompt_ids), max_new_tokens, sampling, seed, metrics=m))
         done: Done | None = None
+        yielded = 0
         try:
             for ev in stream:
                 if isinstance(ev, Delta):
                     if not m.time_prefill:
                         m.time_prefill = time.perf_counter() - t0
                     for tok, from_draft in zip(ev.tokens, ev.from_draft):
+                        yielded += 1
                         yield Emitted(tok, from_draft)
                 else:
                     done = ev
         finally:
-            reason = m.finish_reason          # set by a caller that stopped (EOS, a stop string), or None
+            # set by a caller that stopped (EOS, a stop string), or None; "cancelled" is the
+            # engine's own cleanup (an early close, a model error), which the one-row path leaves None
+            reason = None if m.finish_reason == "cancelled" else m.finish_reason
             stream.close()                    # cancels the request if it still runs
             m.finish_reason = reason if done is None else done.finish_reason
+            # the tokens the caller saw (a round's tokens past its EOS or stop string are not its)
+            m.tokens = yielded
             m.time_total = time.perf_counter() - t0

@@ -115,8 +115,9 @@ def describe(man: mf.Manifest) -> str:
         if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization
             lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}: {pg.get('runs')}")
         dg = m.source.get("draft_graph")
-        if dg:      # the int8 self-draft inside a batch
-            agree = (m.parity or {}).get("draft_agreement") or {}
+        if isinstance(dg, dict):      # the int8 self-draft inside a batch
+            agree = (m.parity or {}).get("draft_agreement") if isinstance(m.parity, dict) else None
+            agree = agree if isinstance(agree, dict) else {}
             lines.append(f"  draft    {dg.get('method')}, {dg.get('bits')}-bit: {dg.get('runs')}; top-1 agreement "
                          f"with this model {agree.get('top1_agreement', '?')}")
         q = m.source.get("quantization")

@@ -46,7 +46,8 @@ def _load(engines: Sequence[str | Path], reference: str | Path, threads: int) ->
     def get(p) -> SpeculativeGenerator:
         key = Path(p).resolve()
         if key not in loaded:   # "lookup" makes the verify graph ready; no draft is loaded
-            loaded[key] = SpeculativeGenerator(p, methods=("plain", "lookup"), threads=threads)
+            # the one-row graphs (engine="one-row"): the teacher-forced passes below step them directly
+            loaded[key] = SpeculativeGenerator(p, methods=("plain", "lookup"), threads=threads, engine="one-row")
         return loaded[key]
 
     ref = get(reference)

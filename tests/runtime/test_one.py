@@ -99,3 +99,61 @@ def test_engine_one_row_runs_the_one_row_graphs(tiny_batch_rows_draft_engines, g
 def test_a_folder_whose_batch_runs_plain_steps_keeps_its_one_row_graphs(tiny_batch_engines):
     gen = SpeculativeGenerator(tiny_batch_engines, methods=("plain",))      # gqa: no windows in a batch
     assert gen.one is None and gen.target is not None
+
+
+def _edited(src, tmp_path, edit):
+    import json
+    import shutil
+    dst = tmp_path / "eng"
+    shutil.copytree(src, dst)
+    man = json.loads((dst / "manifest.json").read_text())
+    edit(man)
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+def _no_draft_graph(man):
+    b = man["models"]["batch"]
+    b["graphs"].pop("draft")
+    b["source"].pop("draft_graph")
+
+
+def _no_batch_costs(man):
+    man["build"]["speculation"].pop("batch_costs_ms")
+
+
+@pytest.mark.parametrize("edit", [_no_draft_graph, _no_batch_costs])
+def test_a_batch_that_would_speculate_less_than_the_one_row_graphs_keeps_them(tiny_batch_rows_draft_engines, tmp_path,
+                                                                             edit):
+    """A folder with a draft but no batched draft graph (an older build, a separate draft model,
+    --draft-vocab), or without batched step costs: a batch of one would run plain steps where
+    the one-row graphs speculate, so the generator keeps them."""
+    gen = SpeculativeGenerator(_edited(tiny_batch_rows_draft_engines, tmp_path, edit), verify="none")
+    assert gen.one is None and gen.drafter is not None
+
+
+def test_a_damaged_window_record_is_refused_not_ignored(tiny_batch_rows_draft_engines, tmp_path):
+    from specrt.errors import ManifestError
+
+    def edit(man):
+        man["models"]["batch"]["parity"]["window_invariance"] = [True]
+    with pytest.raises(ManifestError, match="window_invariance"):
+        SpeculativeGenerator(_edited(tiny_batch_rows_draft_engines, tmp_path, edit), verify="none")
+
+
+def test_metrics_count_the_tokens_the_caller_saw(gen):
+    from specrt.runtime.batch.policy import BatchCosts
+    full = gen.one.full
+    saved = full.costs
+    full.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)}, draft={1: 0.01, 8: 0.01})   # draft rounds
+    try:
+        ids = gen.encode_prompt(PROMPTS[0])
+        for n in (2, 3, 4, 5, 6):               # some stop inside a round that emitted several tokens
+            stream = gen.tokens(ids, max_new_tokens=NEW)
+            seen = [next(stream) for _ in range(n)]
+            stream.close()
+            m = gen.last_metrics
+            assert m.tokens == len(seen) == n and m.finish_reason is None
+            assert m.accepted > 0
+    finally:
+        full.costs = saved

@@ -223,7 +223,7 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     if entry is None:
         raise ConfigError(f"{root} has no batched model: rebuild it with `specrt build ... --batch` to serve many "
                           "requests on one engine, or serve it with --workers N (one request per engine copy)")
-    _check_entry(entry)
+    check_batch_entry(entry)
     inv = entry.parity.get("batch_invariance") or {}
     if inv.get("equal") is not True:
         raise ConfigError(f"{root}: the build did not show that the batched graph computes each row independently of "
@@ -254,7 +254,7 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     return engine, tok
 
 
-def _check_entry(entry) -> None:
+def check_batch_entry(entry) -> None:
     """What open_batch trusts in models.batch beyond manifest.load's checks: the parity verdicts
     it reads are objects, and the rowwise prefill graph the build says it made (source.prefill_graph)
     is listed: without it prompt chunks would silently run through the step graph (other tokens)."""

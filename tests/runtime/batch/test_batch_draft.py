@@ -114,3 +114,15 @@ def test_a_damaged_draft_agreement_is_refused_when_the_batch_opens(tiny_batch_ro
     dst = _edited(tiny_batch_rows_draft_engines, tmp_path, edit)
     with pytest.raises(ManifestError, match="draft_agreement"):
         open_batch(dst, max_num_seqs=2, verify="none")
+
+
+@pytest.mark.parametrize("value", ["int8", [1], None])
+def test_inspect_survives_a_damaged_draft_record(tiny_batch_rows_draft_engines, tmp_path, value):
+    from specrt.manifest import load
+    from specrt.tools.describe import describe
+
+    def edit(m):
+        m["models"]["batch"]["source"]["draft_graph"] = value
+        m["models"]["batch"]["parity"]["draft_agreement"] = value
+    text = describe(load(_edited(tiny_batch_rows_draft_engines, tmp_path, edit)))
+    assert "[batch]" in text
