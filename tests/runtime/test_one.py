@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from bad_input_helpers import copy_engines, edit_manifest
 
 from specrt.errors import ConcurrentUseError, ConfigError
 from specrt.runtime import SpeculativeGenerator
@@ -102,13 +103,8 @@ def test_a_folder_whose_batch_runs_plain_steps_keeps_its_one_row_graphs(tiny_bat
 
 
 def _edited(src, tmp_path, edit):
-    import json
-    import shutil
-    dst = tmp_path / "eng"
-    shutil.copytree(src, dst)
-    man = json.loads((dst / "manifest.json").read_text())
-    edit(man)
-    (dst / "manifest.json").write_text(json.dumps(man))
+    dst = copy_engines(src, tmp_path)
+    edit_manifest(dst, edit)
     return dst
 
 

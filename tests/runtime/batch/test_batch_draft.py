@@ -8,9 +8,9 @@ while rows join and leave.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from bad_input_helpers import copy_engines, edit_manifest
 from fake_batch import hold_until_added
 
 from specrt.builder.gates.batch import draft_spec
@@ -91,12 +91,8 @@ def test_a_seeded_sample_is_the_same_alone_and_among_drafted_rows(tiny_batch_row
 
 
 def _edited(src, tmp_path, edit):
-    dst = tmp_path / "eng"
-    shutil.copytree(src, dst)
-    path = dst / "manifest.json"
-    man = json.loads(path.read_text())
-    edit(man)
-    path.write_text(json.dumps(man))
+    dst = copy_engines(src, tmp_path)
+    edit_manifest(dst, edit)
     return dst
 
 
