@@ -297,7 +297,6 @@ class SpeculativeGenerator(TextStreaming):
                                         prompt_tokens=P)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         if self.one is not None:
-            m = self.last_metrics = Metrics(method=method.value, k=self.k, prompt_tokens=P)
             yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram)
             return
         planner = self._planner(method, ngram, adaptive)
