@@ -106,12 +106,14 @@ def tiny_int4_engines(tmp_path_factory, tiny_pair) -> Path:
 @pytest.fixture(scope="session")
 def tiny_batch_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target quantized to int4 with its batched copy, as `specrt build --precision
-    int4 --batch` makes it: the graph "step" with a symbolic row count (GroupQueryAttention,
-    int4), and "prefill", the same graph with int8 per-channel weights for prompt chunks
-    (`--batch-prefill auto` is rowwise for int4); no draft."""
+    int4 --batch --batch-attention gqa` makes it: the graph "step" with a symbolic row count
+    (GroupQueryAttention, int4: plain one-token steps, every caller), and "prefill", the same
+    graph with int8 per-channel weights for prompt chunks (`--batch-prefill auto` is rowwise for
+    int4); no draft."""
     target, _ = tiny_pair
     return _once(tmp_path_factory, "eng-batch", lambda d: build_tiny(d / "batch", target, "none", precision="int4",
-                                                                     block_size=16, batch=True, ngram_tokens=0))
+                                                                     block_size=16, batch=True, batch_attention="gqa",
+                                                                     ngram_tokens=0))
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +123,7 @@ def tiny_batch_same_engines(tmp_path_factory, tiny_pair) -> Path:
     target, _ = tiny_pair
     return _once(tmp_path_factory, "eng-batch-same",
                  lambda d: build_tiny(d / "batch-same", target, "none", precision="int4", block_size=16, batch=True,
-                                      batch_prefill="same", ngram_tokens=0))
+                                      batch_attention="gqa", batch_prefill="same", ngram_tokens=0))
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +135,8 @@ def tiny_batch_b64_engines(tmp_path_factory, tiny_pair) -> Path:
     target, _ = tiny_pair
     return _once(tmp_path_factory, "eng-batch-b64",
                  lambda d: build_tiny(d / "b64", target, "none", precision="int4", block_size=16, batch=True,
-                                      batch_block_size=64, batch_prefill="same", ngram_tokens=0))
+                                      batch_attention="gqa", batch_block_size=64, batch_prefill="same",
+                                      ngram_tokens=0))
 
 
 @pytest.fixture(scope="session")

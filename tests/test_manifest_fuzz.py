@@ -19,15 +19,18 @@ spec.loader.exec_module(fuzz)
 
 # the kinds `make engines*` builds -> (tiny fixture, its ways, the fields sampled: batched folders
 # sample models.batch, the fields only the batched path reads). int4-b128 differs from b64 only by
-# the block size (the tiny hidden size is 64), int4-rows is tiny_batch_rows_engines' fp32 target.
+# the block size (the tiny hidden size is 64); engines-int4 (rows attention) is stood in for by
+# tiny_batch_rows_engines' fp32 target. A batched folder runs its batched model for every request
+# (runtime/one.py): "shared" is refused there.
 KINDS = {
-    "engines (fp32 + int8 self-draft)": ("tiny_self_engines", ["fast", "shared"], ()),
+    "engines (fp32, --batch: rows attention, the int8 self-draft in the batch)":
+        ("tiny_batch_rows_draft_engines", ["fast", "batch"], ("models.batch",)),
+    "engines without --batch (fp32 + int8 self-draft)": ("tiny_self_engines", ["fast", "shared"], ()),
     "engines-int8": ("tiny_int8_engines", ["fast"], ()),
     "engines-int4 without --batch": ("tiny_int4_engines", ["fast"], ()),
-    "engines-int4 (--batch, rowwise prefill)": ("tiny_batch_engines", ["fast", "batch"], ("models.batch",)),
+    "engines-int4-gqa (rowwise prefill)": ("tiny_batch_engines", ["fast", "batch"], ("models.batch",)),
     "engines-int4-same": ("tiny_batch_same_engines", ["fast", "batch"], ("models.batch",)),
-    # (a rows folder runs its batched model for every request, runtime/one.py: "shared" is refused)
-    "engines-int4-rows": ("tiny_batch_rows_engines", ["fast", "batch"], ("models.batch",)),
+    "engines-int4 (--batch, rows attention)": ("tiny_batch_rows_engines", ["fast", "batch"], ("models.batch",)),
     "engines-int4-b64": ("tiny_batch_b64_engines", ["fast", "batch"], ("models.batch",)),
 }
 SAMPLE = 10

@@ -38,7 +38,7 @@ from specrt.runtime.loop import Adaptive, Emitted, FixedDraft, Lookup, Plain, de
 from specrt.runtime.methods import METHODS, Method
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.ngrams import NgramTable
-from specrt.runtime.one import BatchOfOne, speculates
+from specrt.runtime.one import BatchOfOne, one_engine
 from specrt.runtime.prompt import check_request, encode_prompt
 from specrt.runtime.proposers import Chain, DraftModel, OneGram, PromptLookup, TableGuess
 from specrt.runtime.rounds import Workspace, prefill
@@ -72,10 +72,12 @@ class SpeculativeGenerator(TextStreaming):
         "none" checks only that the files exist and the weights have their size.
         profile_dir: record ONNX Runtime's per-operator profile into this folder (slows every
         step; `specrt profile` uses it; end it with `end_profiling()`).
-        engine: "auto" (default): a folder whose batched model verifies windows (`--batch
-        --batch-attention rows`) runs every request on it as a batch of one (runtime/one.py), the
-        engine its server runs, so both give the same tokens; other folders run their one-row
-        graphs. "one-row": the one-row graphs in any case (what `specrt bench` times)."""
+        engine: "auto" (default): a folder with a batched model (`specrt build --batch`) runs every
+        request on it as a batch of one (runtime/one.py), the engine its server runs, so both give
+        the same tokens (speculating as far as the batched model can: not at all with
+        `--batch-attention gqa`); a folder without one runs its one-row graphs. "one-row": the
+        one-row graphs in any case (what `specrt bench` times; their answers may differ from the
+        batched server's)."""
         if verify not in mf.VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -110,7 +112,7 @@ class SpeculativeGenerator(TextStreaming):
         if engine not in ("auto", "one-row"):
             raise ConfigError(f"engine={engine!r}; choose 'auto' or 'one-row'")
         self.one = None
-        if engine == "auto" and speculates(man):
+        if engine == "auto" and one_engine(man):
             self._open_one(man, threads, verify, memory, profile_dir, backend_options, adaptive)
             return
         if any(m.needs_draft for m in self.methods) and man.draft is None:

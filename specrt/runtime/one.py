@@ -1,7 +1,6 @@
-"""The single stream as a batch of one: `SpeculativeGenerator` on an engine folder whose
-batched model verifies windows (`specrt build --batch --batch-attention rows`, or `--attention
-standard --batch`) runs every request on that model through the batched engine
-(runtime/batch/engine.py), stepped from the caller's thread (`BatchEngine.drive`). The
+"""The single stream as a batch of one: `SpeculativeGenerator` on an engine folder with a
+batched model (`specrt build --batch`) runs every request on that model through the batched
+engine (runtime/batch/engine.py), stepped from the caller's thread (`BatchEngine.drive`). The
 server, `open_batch`, `generate_batch` and the Triton model run the same graphs with the same
 policy and accept rule, so a folder gives one answer however it is called: greedy tokens are
 identical and a seeded sample is the same (the build's batch and window invariance gates).
@@ -11,8 +10,13 @@ identical and a seeded sample is the same (the build's batch and window invarian
            "speculative"  the above and the int8 self-draft inside the batch (ngram=0: no lookup)
 
 Each round is chosen by the build's measured batch step costs (runtime/batch/policy.py); a k
-given to the generator caps the rounds' windows. The one-row graphs of such a folder are
-not loaded (`engine="one-row"` loads them: `specrt bench` and `specrt profile` time them).
+given to the generator caps the rounds' windows. What the batched model cannot do, the batch
+of one does not do either, so that it keeps the server's answers (`plain_because` says why):
+a `--batch-attention gqa` model verifies no windows (plain steps only), a build without
+measured costs (--no-measure-costs) has no policy (plain steps), and a draft without a batched
+graph (--draft truncate:N or a draft model, --draft-vocab) is not used (lookup and pair rounds).
+The one-row graphs of such a folder are not loaded (`engine="one-row"` loads them: `specrt
+bench` and `specrt profile` time them, and answers may then differ from the server's).
 """
 from __future__ import annotations
 
@@ -28,23 +32,33 @@ from specrt.runtime.metrics import Metrics
 from specrt.runtime.proposers import PromptLookup
 
 
-def speculates(man) -> bool:
-    """Is this folder's batched model its one engine for every caller? It must verify windows
-    (the build's window_invariance gate), have the batched step costs its policy chooses by,
-    and, when the folder has a draft, that draft's batched graph: else a batch of one would
-    run plain steps where the one-row graphs speculate (an older build, --draft truncate:N or
-    a draft model, --draft-vocab, --no-measure-costs), and those folders keep their one-row
-    graphs. A damaged record is a ManifestError, as open_batch raises."""
+def one_engine(man) -> bool:
+    """Is this folder's batched model its one engine for every caller? Yes whenever it has one
+    (the build gated it for batch invariance). A damaged record is a ManifestError, as
+    open_batch raises."""
+    if man.batch is None:
+        return False
+    check_batch_entry(man.batch)
+    return True
+
+
+def plain_because(man) -> str | None:
+    """Why a batch of one on this folder cannot speculate (None: it can, by measured cost):
+    what `specrt inspect` shows and the build logs."""
     entry = man.batch
     if entry is None:
-        return False
-    check_batch_entry(entry)
-    win = entry.parity.get("window_invariance") or {}
-    if win.get("equal") is not True:
-        return False
+        return None
+    if (entry.parity.get("window_invariance") or {}).get("equal") is not True:
+        return (f"its batched model ({entry.source.get('attention', '?')} attention) verifies no windows: rebuild "
+                "with --batch-attention rows to speculate")
     if BatchCosts.from_manifest((man.build or {}).get("speculation")) is None:
-        return False
-    return man.draft is None or "draft" in entry.graphs
+        return "the build measured no batched step costs (--no-measure-costs): rebuild without it to speculate"
+    return None
+
+
+def draft_left_out(man) -> bool:
+    """Does the folder have a draft that its batched model cannot run (no batched draft graph)?"""
+    return man.draft is not None and man.batch is not None and "draft" not in man.batch.graphs
 
 
 class BatchOfOne:

@@ -74,6 +74,22 @@ def _proposers(props: dict) -> list[str]:
             "guesses"] if n else []
 
 
+def _runs(man: mf.Manifest) -> str:
+    """Which engine every caller runs (runtime/one.py): the batched model, or the one-row graphs."""
+    from specrt.errors import ManifestError
+    from specrt.runtime.one import draft_left_out, plain_because
+    if man.batch is None:
+        return "runs       every request on the one-row graphs (no --batch: the server runs one request per engine copy)"
+    try:
+        why = plain_because(man)
+    except ManifestError as e:
+        why = f"a damaged record ({e})"
+    how = f"plain steps only: {why}" if why else "speculating per step by measured cost"
+    left = "; the one-row draft is not used (no batched draft graph)" if draft_left_out(man) and not why else ""
+    return ("runs       every request (generate, the API, the server, Triton) on the batched model, a batch of one "
+            f"or many: {how}{left}")
+
+
 def describe(man: mf.Manifest) -> str:
     s = man.shapes
     choice = man.build.get("backend") or {}
@@ -82,6 +98,7 @@ def describe(man: mf.Manifest) -> str:
         f"device     {_device(man.device)}",
         *([f"backend    {choice.get('backend')} ({choice.get('reason')})"] if choice else []),
         *(_engines(man.engines) if man.engines else []),
+        _runs(man),
         *(_quality(man.quality) if man.quality else []),
         *(_plan(man.build.get("speculation")) if man.build.get("speculation") else []),
         *(_proposers(man.proposers) if man.proposers else []),

@@ -1,5 +1,5 @@
-"""One engine, one answer: `SpeculativeGenerator` on a folder whose batched model verifies
-windows (the tiny fp32 target with `--draft int8 --batch --batch-attention rows`) runs every
+"""One engine, one answer: `SpeculativeGenerator` on a folder with a batched model (the tiny
+fp32 target with `--draft int8 --batch --batch-attention rows`, and a `gqa` one) runs every
 request on that model as a batch of one (runtime/one.py), so its tokens are the batched
 server's: greedy and seeded, whatever else shares the server's batch, with every method.
 """
@@ -97,9 +97,26 @@ def test_engine_one_row_runs_the_one_row_graphs(tiny_batch_rows_draft_engines, g
         gen.tokens([1, 2, 3], max_new_tokens=4, adaptive=False)
 
 
-def test_a_folder_whose_batch_runs_plain_steps_keeps_its_one_row_graphs(tiny_batch_engines):
-    gen = SpeculativeGenerator(tiny_batch_engines, methods=("plain",))      # gqa: no windows in a batch
-    assert gen.one is None and gen.target is not None
+def test_a_gqa_folder_runs_plain_steps_as_a_batch_of_one_with_the_servers_answers(tiny_batch_engines):
+    """`--batch-attention gqa`: the batched model verifies no windows, so its server decodes one
+    token a row per step; the single stream runs the same model the same way (asked to look up,
+    it still steps plainly) rather than speculating on its one-row graphs into other tokens."""
+    from specrt import manifest as mf
+    from specrt.runtime.one import plain_because
+    assert "--batch-attention rows" in plain_because(mf.load(tiny_batch_engines))
+    gen = SpeculativeGenerator(tiny_batch_engines)
+    assert gen.one is not None and gen.target is None
+    with open_batch(tiny_batch_engines, max_num_seqs=3) as g:
+        served = {name: [c.tokens for c in g.generate_batch(PROMPTS, max_new_tokens=NEW, sampling=sp)]
+                  for name, sp in (("greedy", SamplingParams()), ("seeded", SEEDED))}
+    for name, sp in (("greedy", SamplingParams()), ("seeded", SEEDED)):
+        got = []
+        for p in PROMPTS:
+            method = "lookup" if sp.greedy else "plain"      # prompt lookup is greedy only
+            got.append(gen.generate(p, max_new_tokens=NEW, sampling=sp, method=method).tokens)
+            m = gen.last_metrics
+            assert m.drafted == 0 and m.plain_steps == m.iterations      # no window was verified
+        assert got == served[name]
 
 
 def _edited(src, tmp_path, edit):
@@ -119,13 +136,24 @@ def _no_batch_costs(man):
 
 
 @pytest.mark.parametrize("edit", [_no_draft_graph, _no_batch_costs])
-def test_a_batch_that_would_speculate_less_than_the_one_row_graphs_keeps_them(tiny_batch_rows_draft_engines, tmp_path,
-                                                                             edit):
+def test_a_batch_that_speculates_less_than_the_one_row_graphs_still_runs_every_request(
+        tiny_batch_rows_draft_engines, tmp_path, served, edit):
     """A folder with a draft but no batched draft graph (an older build, a separate draft model,
-    --draft-vocab), or without batched step costs: a batch of one would run plain steps where
-    the one-row graphs speculate, so the generator keeps them."""
-    gen = SpeculativeGenerator(_edited(tiny_batch_rows_draft_engines, tmp_path, edit), verify="none")
-    assert gen.one is None and gen.drafter is not None
+    --draft-vocab), or without batched step costs: the batch of one speculates less than the
+    one-row graphs would (lookup and pair rounds, or plain steps), and keeps the server's answers."""
+    from specrt import manifest as mf
+    from specrt.runtime.one import draft_left_out, plain_because
+    folder = _edited(tiny_batch_rows_draft_engines, tmp_path, edit)
+    man = mf.load(folder)
+    assert draft_left_out(man) is (edit is _no_draft_graph)
+    assert (plain_because(man) is None) is (edit is _no_draft_graph)
+    gen = SpeculativeGenerator(folder, verify="none")
+    assert gen.one is not None and gen.drafter is None and not gen.one.has_draft
+    for mode, sp in (("greedy", SamplingParams()), ("seeded", SEEDED)):
+        got = [(c.tokens, c.finish_reason) for c in (gen.generate(p, max_new_tokens=NEW, sampling=sp) for p in PROMPTS)]
+        assert got == served[mode]
+        if edit is _no_batch_costs:
+            assert gen.last_metrics.drafted == 0
 
 
 def test_a_damaged_window_record_is_refused_not_ignored(tiny_batch_rows_draft_engines, tmp_path):
@@ -153,3 +181,15 @@ def test_metrics_count_the_tokens_the_caller_saw(gen):
             assert m.accepted > 0
     finally:
         full.costs = saved
+
+
+def test_inspect_says_which_engine_every_request_runs(tiny_batch_rows_draft_engines, tiny_batch_engines,
+                                                      tiny_self_engines):
+    from specrt import manifest as mf
+    from specrt.tools.describe import describe
+
+    def runs(folder):
+        return next(line for line in describe(mf.load(folder)).splitlines() if line.startswith("runs "))
+    assert "batched model" in runs(tiny_batch_rows_draft_engines) and "speculating" in runs(tiny_batch_rows_draft_engines)
+    assert "plain steps only" in runs(tiny_batch_engines) and "--batch-attention rows" in runs(tiny_batch_engines)
+    assert "one-row graphs" in runs(tiny_self_engines)
