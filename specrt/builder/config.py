@@ -110,9 +110,11 @@ class BuildConfig:
     # "auto": rowwise for int4 (measured on SmolLM2 int4: faster prompts and closer to fp32, the
     # prompt's K/V coming from 8-bit weights; docs/batching.md), same otherwise (batch_prefill_graph)
     batch_prefill: str = "auto"
-    # the batched graph's attention: None (the target's), "gqa" (GroupQueryAttention) or "rows"
-    # (plain ops over the first L cache positions, export/batch.py: a batch can verify several
-    # tokens per row, so it speculates; GroupQueryAttention on the CPU cannot)
+    # the batched graph's attention: None ("rows" for a gqa target, else the target's;
+    # gates/batch.batch_attention), "gqa" (GroupQueryAttention) or "rows" (plain ops over the
+    # first L cache positions, export/batch.py: a batch can verify several tokens per row, so it
+    # speculates; GroupQueryAttention on the CPU cannot, so a gqa batch, and the single stream
+    # that runs on it as a batch of one, decodes plainly)
     batch_attention: str | None = None
     # int8/int4 with --batch: the batched graph's quantization block, its LM head keeping the
     # target's (None: --block-size's). A larger block makes every MatMulNBits call cheaper and the

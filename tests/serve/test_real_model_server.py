@@ -24,6 +24,9 @@ def test_streamed_greedy_chat_on_the_default_engines_equals_the_runtime(real_eng
         assert text == want.text and len(want.tokens) > 5
         assert chunks[-1].choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
         m = server.metrics()
-        assert m[("specrt_spec_decode_acceptance_rate", frozenset())] > 0   # the draft was used
+        # the server's one worker ran the generator's rounds (the default folder's batch of one
+        # chooses them by measured cost: pair, lookup or draft rounds, or plain steps)
+        assert m[("specrt_spec_decode_draft_tokens_total", frozenset())] == want.metrics.drafted
+        assert m[("specrt_spec_decode_accepted_tokens_total", frozenset())] == want.metrics.accepted
     finally:
         server.close()

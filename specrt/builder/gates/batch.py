@@ -45,7 +45,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     from specrt.export import onnx_export
     shapes = cfg.shapes
     rowwise = cfg.batch_prefill_graph == "rowwise"
-    attention = cfg.batch_attention or target_part.get("attention", cfg.attention)
+    attention = batch_attention(cfg, target_part)
     draft = draft_spec(cfg, attention)
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise and draft is None else "_batch_fp32")
     part = onnx_export.export_model(tgt, shapes, src, attention=attention,
@@ -111,6 +111,17 @@ def _never_one_row(tmp: Path, part: dict, shapes, prompts, first: dict) -> dict:
     part["source"]["rows_per_call"] = ("even (io row_multiple 2): this CPU's int8 kernels round a row computed "
                                        "alone apart from the same row among others")
     return {**again, "one_row_alone": {"equal": False, "max_abs_logit_delta": first["max_abs_logit_delta"]}}
+
+
+def batch_attention(cfg, target_part: dict) -> str:
+    """The batched model's attention: --batch-attention, else the target's, except that a gqa
+    target's batch attends with "rows": ONNX Runtime's CPU GroupQueryAttention cannot verify
+    windows in several rows, so a gqa batch could not speculate, and every request (the single
+    stream too, runtime/one.py) runs on the batched model."""
+    if cfg.batch_attention is not None:
+        return cfg.batch_attention
+    attention = target_part.get("attention", cfg.attention)
+    return "rows" if attention == "gqa" else attention
 
 
 def draft_spec(cfg, attention: str):
