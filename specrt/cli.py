@@ -45,7 +45,7 @@ def cmd_generate(a) -> int:
     method = "plain" if a.plain else "lookup" if a.lookup else \
         "speculative" if mf.load(a.engines).draft is not None else "plain"
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
-                               methods=(method,))
+                               methods=(method,), engine=a.engine)
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
                             chat=not a.raw, method=method, ngram=a.lookup or 2):
         print(chunk.text, end="", flush=True)
@@ -284,6 +284,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print metrics as JSON")
     g.add_argument("--verify", choices=("full", "none"), default="full",
                    help="full (default): check every file's sha256 while loading; none: existence and size only")
+    g.add_argument("--engine", choices=("auto", "one-row"), default="auto",
+                   help="auto (default): a --batch folder runs the request on its batched model as a batch of "
+                        "one, the engine its server runs (the same tokens); one-row: the folder's one-row graphs "
+                        "(their answers may differ from the server's by rounding)")
     sampling_args(g)
     g.set_defaults(fn=cmd_generate)
 

@@ -4,7 +4,9 @@ anything). Several engine folders (e.g. fp32 / int8 / int4 targets) are loaded i
 process and interleaved prompt by prompt, so their ratios are comparable. Prints tokens/s
 of each, their ratios, acceptance, the speedup predicted from the measured step costs
 next to the measured one, and whether each folder's speculative output was
-token-for-token its own plain output."""
+token-for-token its own plain output. The methods run on the folder's one-row graphs; on a
+`--batch` folder, what `specrt generate` runs instead (its batched model as a batch of one,
+runtime/one.py) is timed beside them, interleaved, as one more column."""
 from __future__ import annotations
 
 import time
@@ -13,6 +15,7 @@ from typing import Callable, Sequence
 from specrt.prompts import PROMPTS
 from specrt.runtime import SamplingParams, SpeculativeGenerator
 from specrt.runtime.adaptive import expected_tokens
+from specrt.runtime.one import one_engine
 
 
 def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: str, ngram: int = 2):
@@ -26,6 +29,19 @@ def _run(gen: SpeculativeGenerator, ids: list[int], n: int, sampling, method: st
     if method == "speculative" and gen.draft is None:
         method, adaptive = "lookup", None   # engines built with --draft none: prompt lookup is their speculation
     for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling, method=method, ngram=ngram, adaptive=adaptive):
+        toks.append(e.token)
+        if e.token in eos:
+            break
+    m = gen.last_metrics
+    return toks, m.time_total - m.time_prefill, m
+
+
+def _run_engine(gen: SpeculativeGenerator, ids: list[int], n: int, sampling):
+    """What `specrt generate` runs on this folder: its batched model as a batch of one, with the
+    default method (runtime/one.py), to its first EOS."""
+    eos = gen.tokenizer.eos_token_ids
+    toks = []
+    for e in gen.tokens(ids, max_new_tokens=n, sampling=sampling):
         toks.append(e.token)
         if e.token in eos:
             break
@@ -112,6 +128,10 @@ class _Variant:
         self.adaptive = gen.costs is not None and gen.draft is not None and "decode" in gen.target_graphs
         self.adaptive_identical = True
         self.plan = (gen.manifest.build or {}).get("speculation", {}).get("chosen")
+        # a --batch folder's one engine (what generate, the API and the server run), timed beside
+        # the one-row graphs: set by run_bench
+        self.one: SpeculativeGenerator | None = None
+        self.t["engine"], self.n["engine"], self.engine_same = 0.0, 0, 0
 
 
 def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens: int = 128, rounds: int = 1,
@@ -144,6 +164,9 @@ def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens:
         _run(gen, v.prompt_ids[0], 8, sampling, "plain")           # warm-up: first-run allocations
         _run(gen, v.prompt_ids[0], 8, sampling, "speculative")
         v.mem = memory_report(gen, before)
+        if one_engine(gen.manifest):
+            v.one = SpeculativeGenerator(folder, k=k, threads=threads)
+            _run_engine(v.one, v.prompt_ids[0], 8, sampling)
         variants.append(v)
         out(f"memory ({memory}) {folder}: {v.precision} target, RSS +{v.mem['rss_bytes'] / 2**20:.0f} MiB with "
             f"{v.mem['sessions']} sessions loaded and run | weights on disk {v.mem['weight_bytes'] / 2**20:.0f} MiB "
@@ -165,9 +188,15 @@ def run_bench(engines: str | Sequence[str], *, prompts: int = 8, max_new_tokens:
 def _bench_prompt(v: _Variant, i: int, r: int, max_new_tokens: int, sampling, out, name_w: int,
                   lookup: int) -> None:
     ids = v.prompt_ids[i]
-    order = ("plain", "speculative") + (("adaptive",) if v.adaptive else ())
+    order = ("plain", "speculative") + (("adaptive",) if v.adaptive else ()) + (("engine",) if v.one else ())
     shift = (i + r) % len(order)
-    res = {m: _run(v.gen, ids, max_new_tokens, sampling, m) for m in order[shift:] + order[:shift]}
+    res = {m: _run_engine(v.one, ids, max_new_tokens, sampling) if m == "engine" else
+           _run(v.gen, ids, max_new_tokens, sampling, m) for m in order[shift:] + order[:shift]}
+    if v.one:
+        eng = res.pop("engine")
+        v.t["engine"] += eng[1]
+        v.n["engine"] += len(eng[0])
+        v.engine_same += eng[0] == res["plain"][0]
     if v.adaptive:
         v.adaptive_identical &= res["adaptive"][0] == res["plain"][0]
     if lookup:
@@ -229,6 +258,13 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
                 "lookup_round_share": sa.lookup_rounds / sa.iterations if sa.iterations else 0.0,
                 "pair_round_share": sa.pair_rounds / sa.iterations if sa.iterations else 0.0,
                 "mean_acceptance_length": 1 + sa.accepted / sa.iterations if sa.iterations else 0.0}
+        if v.one:
+            tps = v.n["engine"] / v.t["engine"]
+            reports[-1]["engine"] = {"tok_s": tps, "over_one_row_plain": tps / plain_tps,
+                                     "over_one_row_speculative": tps / spec_tps,
+                                     "over_one_row_adaptive": (tps / (v.n["adaptive"] / v.t["adaptive"])
+                                                               if v.adaptive else None),
+                                     "same_as_one_row_plain": v.engine_same, "of": len(v.rows)}
         if lookup:
             sl = v.sums["lookup"]
             reports[-1]["lookup"] = {"ngram": lookup, "tok_s": v.n["lookup"] / v.t["lookup"],
@@ -285,6 +321,15 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
             out(f"prompt lookup n={lk['ngram']} (measured) {r['engines']}: {lk['tok_s']:.1f} tok/s, x{lk['speedup']:.2f} "
                 f"over its plain, {lk['mean_acceptance_length']:.2f} tokens per target pass, identical to plain: "
                 + ("yes" if lk["identical"] else "NO"))
+        if "engine" in r:
+            en = r["engine"]
+            out(f"what generate runs on {r['engines']} (its batched model, a batch of one): {en['tok_s']:.1f} tok/s, "
+                f"x{en['over_one_row_plain']:.2f} over the one-row plain, x{en['over_one_row_speculative']:.2f} over "
+                f"the one-row speculative"
+                + (f", x{en['over_one_row_adaptive']:.2f} over the one-row adaptive" if en["over_one_row_adaptive"]
+                   else "")
+                + (f" | the one-row plain tokens: {en['same_as_one_row_plain']}/{en['of']} (other graphs: rounding "
+                   "may differ)" if greedy else " | sampled"))
     _lookup_report(variants, reports, out)
     if hf_reference:
         report["hf_generate"] = _hf_reference(hf_reference, ref.prompt_ids, max_new_tokens, threads, ref.gen, out)

@@ -193,3 +193,35 @@ def test_inspect_says_which_engine_every_request_runs(tiny_batch_rows_draft_engi
     assert "batched model" in runs(tiny_batch_rows_draft_engines) and "speculating" in runs(tiny_batch_rows_draft_engines)
     assert "plain steps only" in runs(tiny_batch_engines) and "--batch-attention rows" in runs(tiny_batch_engines)
     assert "one-row graphs" in runs(tiny_self_engines)
+
+
+def test_bench_times_what_generate_runs_beside_the_one_row_graphs(tiny_batch_rows_draft_engines, tiny_self_engines,
+                                                                  monkeypatch):
+    import specrt.tools.bench
+    from specrt.tools.bench import run_bench
+    monkeypatch.setattr(specrt.tools.bench, "PROMPTS", PROMPTS)      # the tiny engines' context is short
+    lines = []
+    report = run_bench(str(tiny_batch_rows_draft_engines), prompts=2, max_new_tokens=12, out=lines.append)
+    en = report["variants"][0]["engine"]
+    assert en["tok_s"] > 0 and en["of"] == 2 and 0 <= en["same_as_one_row_plain"] <= 2
+    assert any(line.startswith("what generate runs on ") for line in lines), lines
+    report = run_bench(str(tiny_self_engines), prompts=1, max_new_tokens=8, out=lambda _: None)
+    assert "engine" not in report["variants"][0]          # no batched model: generate runs the one-row graphs
+
+
+def test_specrt_generate_runs_the_batch_of_one_unless_asked_for_the_one_row_graphs(tiny_batch_rows_draft_engines,
+                                                                                   monkeypatch, capsys):
+    import specrt.runtime
+    from specrt.cli import main
+    opened = []
+
+    class Spy(SpeculativeGenerator):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            opened.append(self.one is not None)
+    monkeypatch.setattr(specrt.runtime, "SpeculativeGenerator", Spy)
+    for engine in (None, "one-row"):
+        argv = ["generate", str(tiny_batch_rows_draft_engines), PROMPTS[0], "--raw", "--max-new-tokens", "4"]
+        assert main(argv + (["--engine", engine] if engine else [])) == 0
+    assert opened == [True, False]
+    capsys.readouterr()
