@@ -82,3 +82,23 @@ def test_own_model_explains_itself():
     assert r.returncode == 0 and "TARGET DRAFT OUT" in r.stdout and "set -euo" not in r.stdout
     r = run("bash", EXAMPLES / "own_model.sh")
     assert r.returncode == 2 and "TARGET DRAFT OUT" in r.stdout
+
+
+def test_the_batch_example_gives_every_caller_the_generators_answer(tiny_batch_rows_draft_engines):
+    """examples/batch.py on one engine (offline batch, threads, coroutines, a seeded sample, a
+    cancel): every answer is SpeculativeGenerator's for the same prompt, the folder's one answer."""
+    import json
+
+    from specrt.runtime import SamplingParams
+    r = run(sys.executable, EXAMPLES / "batch.py", tiny_batch_rows_draft_engines, "--json", "--max-new-tokens", 12,
+            "--max-num-seqs", 3)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [g["how"] for g in got] == ["generate_batch"] * 4 + ["thread"] * 2 + ["coroutine"] * 2 + \
+        ["coroutine, seeded", "cancelled"]
+    gen = SpeculativeGenerator(tiny_batch_rows_draft_engines)
+    for g in got[:-1]:
+        sp = SamplingParams(temperature=0.8, seed=7) if g["how"] == "coroutine, seeded" else SamplingParams()
+        assert g["text"] == gen.generate(g["prompt"], chat=True, max_new_tokens=12, sampling=sp).text, g
+    full = gen.generate(got[-1]["prompt"], chat=True, max_new_tokens=12).text
+    assert got[-1]["finish"] == "cancelled" and full.startswith(got[-1]["text"]) and got[-1]["text"] != full

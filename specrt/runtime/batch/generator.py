@@ -5,6 +5,8 @@
     for chunk in h.chunks():
         print(chunk.text, end="")
     outs = gen.generate_batch(["one", "two", "three"], max_new_tokens=32)   # offline
+    async for chunk in gen.astream("Name three colors.", chat=True):     # in a coroutine
+        ...
     gen.close()
 
 A background thread runs the engine's steps (engine.py: continuous batching, speculation
@@ -16,13 +18,14 @@ same whatever else is in the batch (runtime/choice.py).
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
 import secrets
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 from specrt.errors import ConfigError, ManifestError, OverloadedError, SpecrtError
 from specrt.runtime.batch.engine import BatchEngine
@@ -73,6 +76,27 @@ class Handle:
         return Completion("".join(text), toks, d.finish_reason, d.metrics, d.prompt_tokens)
 
 
+class _GuardedSink:
+    """A caller's sink runs on the engine thread, inside a step: if it raises, only its own
+    request ends (cancelled at the next step, its later events dropped); the other rows and
+    later requests go on. Unguarded, the step would fail every request in the batch."""
+
+    def __init__(self, sink: Callable[[object], None]):
+        self.sink, self.request, self.broken = sink, None, False
+
+    def __call__(self, ev) -> None:
+        if self.broken:
+            return
+        try:
+            self.sink(ev)
+        except Exception:
+            self.broken = True
+            rid = getattr(self.request, "id", "?")
+            log.exception("request %s: its sink raised; the request is cancelled", rid)
+            if self.request is not None:
+                self.request.cancel()
+
+
 class BatchGenerator:
     def __init__(self, engine: BatchEngine, tokenizer=None, *, max_queue: int | None = None):
         """Runs `engine` on a background thread (see `open_batch` for an engine folder).
@@ -112,8 +136,11 @@ class BatchGenerator:
         q = queue.SimpleQueue() if sink is None else None
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         deadline = None if timeout is None else eng.clock() + timeout
-        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, sink or q.put, next(self._ids),
+        guarded = None if sink is None else _GuardedSink(sink)
+        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, guarded or q.put, next(self._ids),
                       stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel)
+        if guarded is not None:
+            guarded.request = req
         if not eng.add(req, self.max_queue):
             raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
                                  "retry later, or raise max_queue / max_num_seqs")
@@ -131,6 +158,47 @@ class BatchGenerator:
 
     def generate(self, prompt, **kw) -> Completion:
         return self.submit(prompt, **kw).result()
+
+    async def aevents(self, prompt, **kw) -> AsyncIterator[Delta | Done]:
+        """The request's events for a coroutine, as the engine thread makes them, read without
+        blocking the event loop; the last is its Done (a Failed raises its error). Leaving early
+        (break, an exception, the task cancelled) cancels the request, which frees its row at
+        the next step."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(ev) -> None:
+            if not loop.is_closed():     # closed: the coroutine is gone and its request cancelled
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+        h = self.submit(prompt, sink=put, **kw)
+        try:
+            while h.done is None:
+                ev = await events.get()
+                if isinstance(ev, Failed):
+                    raise ev.error
+                if isinstance(ev, Done):
+                    h.done = ev
+                yield ev
+        finally:
+            if h.done is None:
+                h.cancel()
+
+    async def astream(self, prompt, **kw) -> AsyncIterator[Chunk]:
+        """`stream` for a coroutine (see aevents)."""
+        async for ev in self.aevents(prompt, **kw):
+            if isinstance(ev, Delta):
+                yield Chunk(ev.text, list(ev.tokens), list(ev.from_draft))
+
+    async def agenerate(self, prompt, **kw) -> Completion:
+        """`generate` for a coroutine (see aevents)."""
+        text, toks = [], []
+        async for ev in self.aevents(prompt, **kw):
+            if isinstance(ev, Delta):
+                text.append(ev.text)
+                toks += ev.tokens
+            else:
+                done = ev
+        return Completion("".join(text), toks, done.finish_reason, done.metrics, done.prompt_tokens)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kw) -> list[Completion]:
         """Every prompt submitted at once; answers in the prompts' order."""
