@@ -82,13 +82,14 @@ class WorkerInfo:
     busy: bool = False
 
 
-def load_generator(engines: Path, *, memory: str, threads: int) -> SpeculativeGenerator:
+def load_generator(engines: Path, *, memory: str, threads: int, engine: str = "auto") -> SpeculativeGenerator:
     """A service speculates (or decodes plainly, when the build has no draft). A quantized
     target also loads its one-token graph: adaptive k then falls back to plain and pair steps
     when drafting does not pay, which on SmolLM2 int4 doubles a request's speed (measured
     2026-12-01: 98-104 vs 41-50 tok/s, 3 chat prompts x 128 tokens, same run); the graph's
     weights are small. An fp32 target does not: its one-token graph would hold another
-    pre-packed copy of the fp32 weights."""
+    pre-packed copy of the fp32 weights. engine: as SpeculativeGenerator's (auto: the batch of one
+    on a `--batch` folder; "one-row": its one-row graphs)."""
     man = mf.load(engines)
     if man.draft is None:
         methods = ("plain",)
@@ -96,7 +97,7 @@ def load_generator(engines: Path, *, memory: str, threads: int) -> SpeculativeGe
         methods = ("speculative", "plain")
     else:
         methods = ("speculative",)
-    return SpeculativeGenerator(engines, memory=memory, threads=threads, methods=methods)
+    return SpeculativeGenerator(engines, memory=memory, threads=threads, methods=methods, engine=engine)
 
 
 def rss_mib() -> float:
