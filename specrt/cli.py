@@ -148,6 +148,12 @@ def cmd_check_modes(a) -> int:
     return 0 if report["equal"] else 1
 
 
+def cmd_retime(a) -> int:
+    from specrt.tools.retime import retime
+    retime(a.engines)
+    return 0
+
+
 def cmd_serve(a) -> int:
     try:
         from specrt.serve.server import ServeConfig, serve
@@ -348,6 +354,12 @@ def make_parser() -> argparse.ArgumentParser:
     cm.add_argument("--threads", type=_positive_int, default=2, help="ONNX Runtime threads per engine")
     cm.add_argument("--json", metavar="FILE", help="write the report as JSON")
     cm.set_defaults(fn=cmd_check_modes)
+
+    rt = sub.add_parser("retime", help="time a built folder's steps again on this machine and write the costs "
+                        "that choose speculation into its manifest (a build timed on a busy or another machine "
+                        "chooses badly)")
+    rt.add_argument("engines", help="folder written by `specrt build` (ONNX Runtime CPU)")
+    rt.set_defaults(fn=cmd_retime)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     sv.add_argument("engines", help="folder written by `specrt build`")

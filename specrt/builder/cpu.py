@@ -181,14 +181,7 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
     from specrt.builder.gates import plan
     d = parts.get("draft")
     costs = plan.step_costs(tmp / "target", parts["target"], tmp / "draft" if d else None, d, shapes)
-    agreement = ((d or {}).get("parity") or {}).get("agreement_with_target", {}).get("top1_agreement")
-    # a trimmed draft head never proposes a token outside its kept ids: the prompts the agreement
-    # was measured on hold few of those, so scale by the held-out coverage (docs/speculation.md)
-    coverage = (((d or {}).get("source") or {}).get("quantization", {}).get("draft_vocab") or {}).get(
-        "held_out_coverage")
-    if agreement is not None and coverage:
-        agreement *= float(coverage)
-    return plan.plan(costs, agreement, shapes.k)
+    return plan.plan(costs, plan.draft_acceptance(d), shapes.k)
 
 
 def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:

@@ -64,7 +64,14 @@ def _plan(sp: dict) -> list[str]:
     return [f"plan       step ms: target decode {_num(c.get('target_decode'))}, verify "
             f"{_num(c.get('target_verify'))}, draft {_num(c.get('draft_decode', '-'))}; acceptance "
             f"{_num(sp.get('acceptance'))}; predicted {pred or '-'}; chosen "
-            f"{ch.get('method')} k={ch.get('k')} (adaptive k at run time starts from these)"]
+            f"{ch.get('method')} k={ch.get('k')} (adaptive k at run time starts from these)"] + _retimed(sp)
+
+
+def _retimed(sp: dict) -> list[str]:
+    r = sp.get("retimed")
+    if not isinstance(r, dict):
+        return ["timed      by the build, where it ran (`specrt retime FOLDER` measures again where it serves)"]
+    return [f"timed      by {r.get('by')} at {r.get('at')} (the build's costs kept in build.speculation.retimed)"]
 
 
 def _proposers(props: dict) -> list[str]:

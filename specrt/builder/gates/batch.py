@@ -137,11 +137,14 @@ def draft_spec(cfg, attention: str):
 
 def _model(tmp: Path, part: dict, shapes, rows: int, graphs=None, cache=None):
     from specrt.builder.manifest_writer import model_entry
+    return _open(tmp, model_entry("batch", part, "batch"), shapes, rows, graphs, cache)
+
+
+def _open(root: Path, entry, shapes, rows: int, graphs=None, cache=None):
     from specrt.runtime.backends.ort_batch import OrtBatchModel
-    entry = model_entry("batch", part, "batch")
     if graphs is None:
         graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
-    return OrtBatchModel(tmp, entry, shapes, rows=rows, threads=2, graphs=graphs, cache=cache,
+    return OrtBatchModel(root, entry, shapes, rows=rows, threads=2, graphs=graphs, cache=cache,
                          **({"serves": "draft", "min_rows": 1} if graphs == ("draft",) else {}))
 
 
@@ -326,8 +329,17 @@ def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, r
     """Median ms of one batched step per (T, rows) at `context` tokens of cache, timed
     interleaved: T = 1, 2 and k+1; rows 1, 2, 4, 8 (several tokens in several rows only where
     the kernels run them). runtime/batch/policy.BatchCosts reads it."""
+    from specrt.builder.manifest_writer import model_entry
+    return entry_costs(tmp, model_entry("batch", part, "batch"), shapes, rows=rows, context=context, runs=runs,
+                       warmup=warmup)
+
+
+def entry_costs(root: Path, entry, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,
+                warmup: int = 2) -> dict:
+    """`costs` of a batched model described by its manifest entry (files relative to `root`):
+    the build's measurement, and `specrt retime`'s on a built folder (tools/retime.py)."""
     from specrt.builder.gates.plan import interleaved_ms
-    model = _model(tmp, part, shapes, rows)
+    model = _open(root, entry, shapes, rows)
     context = min(context, shapes.max_context - shapes.k - 1)
     ns = [n for n in (1, 2, 4, 8, 16) if n <= rows]
     cases = [(T, n) for T in sorted({1, 2, shapes.k + 1}) for n in ns
@@ -339,7 +351,7 @@ def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, r
         return lambda: model.step("step", toks, starts, 0, pad_start=context)
 
     calls = {c: step(*c) for c in cases}
-    draft = draft_model(tmp, part, shapes, model) if "draft" in part["graphs"] else None
+    draft = _open(root, entry, shapes, model.rows, ("draft",), model.cache) if "draft" in entry.graphs else None
     if draft is not None:       # one draft step (one token a row) at each row count
         for n in ns:
             toks, starts = np.ones((n, 1), np.int64), np.full(n, context, np.int64)

@@ -12,7 +12,9 @@ speedup of every draft length, and the choice (manifest `build.speculation`).
 
 The runtime's adaptive policy (runtime/adaptive.py) starts from these costs and this
 acceptance and re-estimates the acceptance while it generates. Costs measured on the
-build machine carry to a serving machine as ratios, which is all the choice uses.
+build machine carry to a serving machine as ratios, which is all the choice uses; a build timed
+on a busy machine records wrong ratios too (other work slows small steps more than wide ones):
+`specrt retime FOLDER` measures them again where the folder serves (tools/retime.py).
 """
 from __future__ import annotations
 
@@ -53,6 +55,19 @@ def interleaved_ms(steps: dict, *, runs: int, warmup: int) -> dict:
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: round(statistics.median(v) * 1e3, 4) for name, v in times.items()}
+
+
+def draft_acceptance(draft: dict | None) -> float | None:
+    """The acceptance the plan assumes: the draft's top-1 agreement with the target (its parity
+    record). A trimmed draft head never proposes a token outside its kept ids: the prompts the
+    agreement was measured on hold few of those, so it is scaled by the held-out coverage
+    (docs/speculation.md)."""
+    agreement = (((draft or {}).get("parity") or {}).get("agreement_with_target") or {}).get("top1_agreement")
+    coverage = ((((draft or {}).get("source") or {}).get("quantization") or {}).get("draft_vocab") or {}).get(
+        "held_out_coverage")
+    if agreement is not None and coverage:
+        agreement *= float(coverage)
+    return agreement
 
 
 def plan(costs_ms: dict, acceptance: float | None, k_max: int) -> dict:

@@ -1,0 +1,89 @@
+"""`specrt retime FOLDER`: time a built folder's steps again, on this machine as it is now, and
+write the costs into its manifest (`build.speculation`).
+
+Speculation is chosen by measured cost: adaptive k on the one-row graphs starts from
+`costs_ms`, and the batched engine's policy (runtime/batch/policy.py) picks plain, pair, lookup
+or draft rounds for every step from `batch_costs_ms`. The build times them where it runs. On a
+machine busy with other work, or on another machine than the one that serves, the ratios are
+wrong and the choices with them: an int4 build timed beside a test run (2026-12-04) recorded a
+5-token verify window at x2.5 a one-token step at one row (x1.5 on the quiet machine), and a
+batch of one built from it never drafts. Retime where the folder serves, when it is quiet.
+
+- Only folders that run on ONNX Runtime's CPU backend: a GPU folder's costs are its GPU's,
+  timed by its build there (docs/gpu.md); it is refused with a ConfigError.
+- Every file's sha256 is checked first: a damaged folder is refused, not retimed. The graphs,
+  weights and hashes are untouched; only manifest.json is replaced (atomically). The costs it
+  replaces are kept under `build.speculation.retimed.previous`, and `specrt inspect` shows when
+  and by what the costs were measured.
+- The plan (`chosen`, `predicted`) is recomputed from the new costs and the acceptance the
+  build measured (its draft's agreement with the target), as the build computes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from pathlib import Path
+from typing import Callable
+
+from specrt import __version__
+from specrt import manifest as mf
+from specrt.errors import ConfigError
+
+
+def _part(entry: mf.ModelEntry) -> tuple[str, dict]:
+    """(subfolder, the build's part dict for plan.step_costs) of a one-row model entry."""
+    sub = Path(entry.weights["file"]).parent
+    graphs = {g: {"file": str(Path(e.file).relative_to(sub)), "tokens": e.tokens} for g, e in entry.graphs.items()}
+    return str(sub), {"graphs": graphs, "dims": entry.dims}
+
+
+def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
+    """Measure the folder's step costs again and write them into its manifest; returns the new
+    `build.speculation`."""
+    from specrt.builder.gates import batch, plan
+    root = Path(engines)
+    man = mf.load(root)
+    if man.device.get("kind") != "cpu" or man.engines is not None:
+        raise ConfigError(f"{root} was built for {man.device.get('kind')} ({man.device.get('backend')}): its step "
+                          "costs are its GPU's and only its build there measures them; retime runs ONNX Runtime CPU "
+                          "folders. Rebuild it on the GPU that serves it to measure them again")
+    out(f"retime: checking every file of {root} (sha256)")
+    mf.check_files(man, root, hashes=True)
+    old = dict(man.build.get("speculation") or {})
+    previous = {k: old[k] for k in ("costs_ms", "batch_costs_ms") if k in old}
+    if "retimed" in old:
+        previous["measured_by"] = old["retimed"].get("by")
+    else:
+        previous["measured_by"] = "specrt build"
+
+    out("retime: timing the one-row graphs (target decode, verify, draft decode)")
+    t_sub, t_part = _part(man.target)
+    d_sub, d_part = _part(man.draft) if man.draft is not None else (None, None)
+    costs = plan.step_costs(root / t_sub, t_part, root / d_sub if d_sub else None, d_part, man.shapes)
+    acceptance = plan.draft_acceptance({"parity": man.draft.parity, "source": man.draft.source}
+                                       if man.draft is not None else None)
+    spec = plan.plan(costs, acceptance, man.shapes.k)
+    if man.batch is not None:
+        out("retime: timing the batched model (rows x tokens per step)")
+        spec["batch_costs_ms"] = batch.entry_costs(root, man.batch, man.shapes)
+    spec["retimed"] = {"by": f"specrt {__version__} retime",
+                       "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "previous": previous}
+    dataclasses.replace(man, build={**man.build, "speculation": spec}).save(root)
+    out(f"retime: {summary(previous)} -> {summary(spec)}")
+    out(f"retime: written to {root / mf.FILENAME} (build.speculation)")
+    return spec
+
+
+def summary(spec: dict) -> str:
+    """One line of the costs that choose the rounds: decode / verify / draft ms at one row."""
+    c = spec.get("costs_ms") or {}
+    parts = [f"{k} {c[k]:.1f}" for k in ("target_decode", "target_verify", "draft_decode") if k in c]
+    b = spec.get("batch_costs_ms") or {}
+    one = {T: rows.get("1") for T, rows in (b.get("target") or {}).items()}
+    if one:
+        parts.append("batch 1 row T=" + ", ".join(f"{T}: {v:.1f}" for T, v in sorted(one.items(), key=lambda x: int(x[0]))
+                                                 if v is not None))
+    if (b.get("draft") or {}).get("1") is not None:
+        parts.append(f"batch draft {b['draft']['1']:.1f}")
+    return "ms " + "; ".join(parts) if parts else "no costs"
