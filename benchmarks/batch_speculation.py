@@ -5,8 +5,8 @@ windows (`--batch-attention rows`), optionally beside a `gqa` batched folder:
 
     stream       today's single stream: SpeculativeGenerator on the folder's one-row graphs,
                  one request after another (its own speculation: the int8 draft, adaptive k)
-    one          the batched engine as a batch of one, stepped from the caller's thread
-                 (BatchEngine.drive), one request after another
+    one          what SpeculativeGenerator(folder) runs there: the batched engine as a batch
+                 of one, stepped from the caller's thread (runtime/one.py), one request after another
     batch        open_batch: the policy picks plain, pair, lookup or draft rounds per step
                  from the build's batch_costs_ms (the int8 draft inside the batch)
     batch-nodraft  the same without the draft (pair and lookup rounds only)
@@ -39,26 +39,19 @@ SYSTEMS = ("stream", "one", "batch", "batch-nodraft", "batch-plain", "gqa")
 
 
 class One:
-    """The batched engine as a batch of one, driven from this thread (BatchEngine.drive): no
-    engine thread, the request's events read as the steps make them."""
+    """What `SpeculativeGenerator(folder)` runs on a `--batch` folder: the batched engine as a
+    batch of one, stepped from this thread (runtime/one.py), one request after another."""
 
     def __init__(self, engines):
-        from specrt.runtime.batch.generator import batch_engine
-        self.engine, self.tok = batch_engine(engines, max_num_seqs=1)
+        from specrt.runtime.generator import SpeculativeGenerator
+        self.gen = SpeculativeGenerator(engines)
+        if self.gen.one is None:
+            raise SystemExit(f"{engines}: SpeculativeGenerator runs its one-row graphs here (no batch of one): "
+                             "give a folder built with --batch")
+        self.engine = self.gen.one.engine
 
-    def generate_batch(self, texts, max_new_tokens, chat=True):
-        import secrets
-
-        from specrt.runtime.batch.request import Delta, Request
-        from specrt.runtime.prompt import encode_prompt
-        from specrt.runtime.sampling import SamplingParams
-        outs = []
-        for t in texts:
-            ids = encode_prompt(self.tok, t, chat=chat)
-            req = Request(ids, max_new_tokens, SamplingParams(), secrets.randbits(63))
-            toks = [tok for ev in self.engine.drive(req) if isinstance(ev, Delta) for tok in ev.tokens]
-            outs.append(type("Out", (), {"tokens": toks})())
-        return outs
+    def generate_batch(self, texts, **kw):
+        return [self.gen.generate(t, **kw) for t in texts]
 
     def close(self):
         pass

@@ -4,10 +4,10 @@ write the costs into its manifest (`build.speculation`).
 Speculation is chosen by measured cost: adaptive k on the one-row graphs starts from
 `costs_ms`, and the batched engine's policy (runtime/batch/policy.py) picks plain, pair, lookup
 or draft rounds for every step from `batch_costs_ms`. The build times them where it runs. On a
-machine busy with other work, or on another machine than the one that serves, the ratios are
-wrong and the choices with them: an int4 build timed beside a test run (2026-12-04) recorded a
-5-token verify window at x2.5 a one-token step at one row (x1.5 on the quiet machine), and a
-batch of one built from it never drafts. Retime where the folder serves, when it is quiet.
+machine busy with other work, or on another machine than the one that serves, they mislead:
+an int4 build timed beside a test run (2026-12-04) recorded its batched int8 draft step at x1.77
+a target step at one row, x1.36 when retimed on the quiet machine, and every step 1.6-2.5x
+slower than it is. Retime where the folder serves, when it is quiet.
 
 - Only folders that run on ONNX Runtime's CPU backend: a GPU folder's costs are its GPU's,
   timed by its build there (docs/gpu.md); it is refused with a ConfigError.
