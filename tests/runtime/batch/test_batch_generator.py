@@ -49,11 +49,31 @@ def test_generate_batch_keeps_the_prompts_order(gen):
 
 
 def test_closing_a_stream_early_cancels_its_request(gen, monkeypatch):
+    """The engine is held from the step that sends the first chunk until the stream is closed,
+    so the request cannot finish its 40 tokens first however slow the test thread is."""
     handles, submit = [], gen.submit
     monkeypatch.setattr(gen, "submit", lambda *a, **kw: handles.append(submit(*a, **kw)) or handles[-1])
-    s = gen.stream(PROMPTS[3], max_new_tokens=40, ignore_eos=True)
-    next(s)
-    s.close()
+    gate = StepGate(gen.engine, monkeypatch)
+
+    def feed():                  # steps until the request has sent its first event, then holds
+        for _ in range(6000):
+            if handles:
+                break
+            threading.Event().wait(0.01)
+        req, sent = handles[0].request, threading.Event()
+        real = req.sink
+        req.sink = lambda ev: (real(ev), sent.set())
+        while not sent.is_set():
+            gate.run(1)
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        s = gen.stream(PROMPTS[3], max_new_tokens=40, ignore_eos=True)
+        next(s)
+        feeder.join(60)
+        s.close()
+    finally:
+        gate.free()
     (h,) = handles
     done = [ev for ev in h.events(timeout=60)][-1]           # the rest of its events, up to its Done
     assert done.finish_reason == "cancelled" and done.completion_tokens < 40
