@@ -51,10 +51,8 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     mf.check_files(man, root, hashes=True)
     old = dict(man.build.get("speculation") or {})
     previous = {k: old[k] for k in ("costs_ms", "batch_costs_ms") if k in old}
-    if "retimed" in old:
-        previous["measured_by"] = old["retimed"].get("by")
-    else:
-        previous["measured_by"] = "specrt build"
+    was = old.get("retimed")
+    previous["measured_by"] = was.get("by") if isinstance(was, dict) else "specrt build"
 
     out("retime: timing the one-row graphs (target decode, verify, draft decode)")
     t_sub, t_part = _part(man.target)
