@@ -14,6 +14,17 @@ Each call to `step()`:
     5. rows that finished (EOS, a stop string, max_new_tokens, the maximum context) leave;
        the last running row moves into the gap so rows stay contiguous (model.py)
 
+A draft model runs inside the batch in one of two ways (model.py):
+    shared cache   (the int8 self-draft) its steps write target cache rows past each row's
+                   length, which the verify pass overwrites: nothing to keep in step.
+    its own cache  (a separate draft model) row r of its cache holds K/V for row.seq[:draft_len];
+                   it prefills each prompt chunk beside the target, and a draft round first
+                   feeds every row the tokens its cache lacks (1 after a round it drafted, 2
+                   when all its k proposals were accepted, more after rounds it did not draft,
+                   in chunks), reading each row's logits at its own last token; after the
+                   verify pass a row keeps only the draft K/V of the tokens it accepted
+                   (draft_len rewound), and a row that moves takes its draft rows with it.
+
 Single-threaded by design: `step()` runs on one thread (runtime/batch/generator.py starts
 it); `add()` and `Request.cancel()` may be called from any thread.
 """
@@ -76,6 +87,15 @@ class BatchEngine:
         self._starts = np.zeros(max_num_seqs, np.int64)          # [n] each row's past length
         self._scratch = np.zeros(vocab, np.float32)
         P = max(target.min_rows, 1)        # a prefill chunk's logit rows: its last P positions
+        if draft is not None and not draft.shares_cache:
+            # a draft with its own cache: its calls' token windows and logit positions
+            Td = max(prefill_tokens, k_max + 1, draft.min_rows, *[t for t in draft.graph_tokens.values() if t])
+            static = draft.graph_tokens.get("prefill", 0)
+            if static and static < prefill_tokens:
+                raise ValueError(f"the draft's prefill graph takes {static} tokens; prompt chunks are {prefill_tokens}")
+            self._dtokens = np.zeros((max_num_seqs, Td), np.int64)
+            self._dpos = np.zeros((max_num_seqs, max(draft.min_rows, 1)), np.int64)
+            self._doffsets = np.arange(max(draft.min_rows, 1), dtype=np.int64)
         self._positions, self._offsets = np.zeros((1, P), np.int64), np.arange(P, dtype=np.int64)
 
     # --- any thread -----------------------------------------------------------------------
@@ -187,6 +207,11 @@ class BatchEngine:
         budget = min(req.max_new_tokens, self.max_context - len(req.prompt))
         self.pending = Row(req, budget, self.tokenizer, self.policy.priors, self.k_max)
 
+    @property
+    def _own_draft(self) -> bool:
+        """A draft model with its own cache (it prefills prompts and keeps each row's draft_len)."""
+        return self.draft is not None and not self.draft.shares_cache and self.policy.has_draft
+
     def _prefill_chunk(self) -> None:
         row, slot = self.pending, len(self.rows)
         if row.finish is not None:         # cancelled while waiting for its prefill
@@ -207,6 +232,11 @@ class BatchEngine:
         np.add(self._offsets, lo, out=positions[0])
         # (a padding row, where the model pads odd calls, goes after the pending row: free)
         logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions, pad_start=0)
+        if self._own_draft:
+            # the same chunk into the draft's cache row (its logits are not read: its first
+            # proposal comes from the round's catch-up of the row's last token)
+            self._feed_draft(slot, [chunk], [row.length], "prefill", pad=0)
+            row.draft_len = row.length + len(chunk)
         row.length += len(chunk)
         self.stats.prefill_chunks += 1
         if not row.prefilled:
@@ -225,7 +255,7 @@ class BatchEngine:
         self.stats.choices[choice.kind.value] += 1
         proposals = choice.proposals
         if choice.kind is RoundKind.DRAFT:
-            proposals = self._draft(choice)
+            proposals = self._draft_own(choice) if self._own_draft else self._draft(choice)
         T = choice.tokens
         toks, starts = self._tokens[:n, :T], self._starts[:n]
         toks.fill(0)
@@ -239,6 +269,10 @@ class BatchEngine:
             p = proposals[i]
             accepted, nxt = first_mismatch(logits[i, :len(p) + 1], p, row.req.params, row.req.seed,
                                            row.position(), self._scratch)
+            if choice.kind is RoundKind.DRAFT:
+                # the draft's own cache keeps K/V of seq[:length + 1] and of the proposals it fed
+                # after the first (draft_len = length + len(p)); only the accepted ones stay valid
+                row.draft_len = min(row.draft_len, row.length + 1 + accepted)
             self.policy.observe(row, choice.kind, len(p), accepted)
             row.metrics.record_iteration(len(p), accepted)
             row.metrics.pair_rounds += choice.kind is RoundKind.PAIR
@@ -263,6 +297,74 @@ class BatchEngine:
                     cur[i] = out[i][j] = choose(logits[i, 0], row.req.params, row.req.seed, row.position() + j,
                                                 self._scratch)
         return out
+
+    def _draft_own(self, choice: StepChoice) -> list:
+        """k steps of a draft model with its own cache: first the tokens each row's draft cache
+        lacks (seq[draft_len:], ending with the row's last token), then k - 1 one-token steps.
+        Row i drafts min(k, its room) tokens; a row with fewer feeds padding past its length."""
+        rows, n, k = self.rows, len(self.rows), choice.k
+        out = [np.zeros(min(k, max(r.room, 0)), np.int64) for r in rows]
+        W = self.k_max + 1          # a catch-up this short runs in the round's first draft call
+        while True:
+            lag = [r.length + 1 - r.draft_len for r in rows]            # >= 1: seq[-1] is never in it
+            if max(lag) <= W:
+                break
+            # rows far behind (rounds that did not draft) catch up in chunks; the others feed padding
+            C = max(self.prefill_tokens, W)
+            feeds = [r.seq[r.draft_len:r.draft_len + min(max(g - W, 0), C)] for r, g in zip(rows, lag)]
+            self._feed_draft(0, feeds, [r.draft_len for r in rows], "verify")
+            for r, f in zip(rows, feeds):
+                r.draft_len += len(f)
+        feeds = [r.seq[r.draft_len:] for r in rows]
+        logits = self._feed_draft(0, feeds, [r.draft_len for r in rows], "verify", last=True)
+        cur = [0] * n
+        for i, row in enumerate(rows):
+            row.draft_len = row.length + 1
+            if len(out[i]):
+                cur[i] = out[i][0] = choose(logits[i], row.req.params, row.req.seed, row.position(), self._scratch)
+        toks, starts = self._tokens[:n, :1], self._starts[:n]
+        for j in range(1, k):
+            for i, row in enumerate(rows):
+                toks[i, 0] = cur[i]
+                starts[i] = row.length + j
+            logits = self.draft.step("decode", toks, starts, 0, pad_start=self._draft_pad_start())
+            for i, row in enumerate(rows):
+                if j < len(out[i]):
+                    cur[i] = out[i][j] = choose(logits[i, 0], row.req.params, row.req.seed, row.position() + j,
+                                                self._scratch)
+                    row.draft_len = row.length + 1 + j        # out[i][j - 1] is in its cache now
+        return out
+
+    def _feed_draft(self, first_row: int, feeds: list, starts: list[int], graph: str, last: bool = False,
+                    pad: int | None = None):
+        """One draft call writing feeds[i] at starts[i] into draft cache row first_row + i (shorter
+        feeds padded: the padding lands past the row's draft_len, which nothing reads). last:
+        return each row's logits at its last fed token, [n, V] (every feed is non-empty then);
+        the logits of the other positions are not computed past the model's min_rows. pad: where
+        a padding row may write (default: the pending row's draft length, as for a round)."""
+        n = len(feeds)
+        want = max(max(len(f) for f in feeds), 1)
+        static = self.draft.graph_tokens.get(graph, 0)
+        P = max(-(-self.draft.min_rows // n), 1)     # logit positions a row: at least min_rows in all
+        T = static or max(want, P)
+        if want > T:
+            raise ValueError(f"the draft's {graph} graph takes {T} tokens a row; this call needs {want}")
+        toks, st, pos = self._dtokens[:n, :T], self._starts[:n], self._dpos[:n, :P]
+        toks.fill(0)
+        lo = [max(len(f) - P, 0) for f in feeds]     # each row's window of logit positions ends at its last token
+        for i, f in enumerate(feeds):
+            toks[i, :len(f)] = f
+            st[i] = starts[i]
+            np.add(self._doffsets[:P], lo[i], out=pos[i])
+        pad = self._draft_pad_start() if pad is None else pad
+        logits = self.draft.step(graph, toks, st, first_row, pos, pad_start=pad)
+        if last:
+            return [logits[i, len(f) - 1 - lo[i]] for i, f in enumerate(feeds)]
+        return None
+
+    def _draft_pad_start(self) -> int:
+        """_pad_start for a draft with its own cache: the pending row's draft length."""
+        return self.pending.draft_len if self.pending is not None else 0
 
     def _pad_start(self) -> int:
         """Where a padding row after the running rows may write (a model that pads odd calls to an
@@ -313,20 +415,20 @@ class BatchEngine:
                 continue
             last = len(self.rows) - 1
             if i != last:
-                self._move(last, i, self.rows[last].length)
+                self._move(last, i, self.rows[last])
                 self.rows[i] = self.rows[last]
             self.rows.pop()
             if self.pending is not None:       # keep it right after the running rows
-                self._move(last + 1, last, self.pending.length)
+                self._move(last + 1, last, self.pending)
             self._finish(row)
         if self.pending is not None and self.pending.finish is not None:
             row, self.pending = self.pending, None
             self._finish(row)
 
-    def _move(self, src: int, dst: int, length: int) -> None:
-        self.target.cache.move_row(src, dst, length)
+    def _move(self, src: int, dst: int, row: Row) -> None:
+        self.target.cache.move_row(src, dst, row.length)
         if self.draft is not None and not self.draft.shares_cache:
-            self.draft.cache.move_row(src, dst, length)
+            self.draft.cache.move_row(src, dst, row.draft_len)
 
     def _finish(self, row: Row) -> None:
         self.stats.finished += 1

@@ -69,6 +69,7 @@ class Row:
         self.req, self.budget = req, budget
         self.seq = list(req.prompt)
         self.length = 0                       # prefill progress, then target rows with K/V
+        self.draft_len = 0                    # rows of a draft's own cache with K/V of seq (engine.py)
         self.emitted = 0
         self.text = TextTail(tokenizer, req.stop, stop_token_ids=req.stop_token_ids,
                              ignore_eos=req.ignore_eos) if tokenizer is not None else None

@@ -17,7 +17,7 @@ from fake_batch import FakeLM, hold_until_added
 from specrt.runtime.choice import choose
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.generator import open_batch
-from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, StepChoice
 from specrt.runtime.batch.request import Delta, Done, Request
 from specrt.runtime.rounds import RoundKind
 from specrt.runtime.sampling import SamplingParams
@@ -163,22 +163,47 @@ def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone
         assert g.engine.stats.choices[RoundKind.PAIR.value] + g.engine.stats.choices[RoundKind.LOOKUP.value] > 0
 
 
-def test_a_draft_equal_to_the_target_has_every_proposal_accepted_in_a_batch():
-    """The toy model (fake_batch.py) as its own shared-cache draft, greedy and seeded sampled
+class SometimesPlain(BatchPolicy):
+    """Five plain steps in every eight rounds, the others as BatchPolicy chooses."""
+    rounds = 0
+
+    def choose(self, rows, graph_t):
+        self.rounds += 1
+        if self.rounds % 8 < 5:
+            return StepChoice(RoundKind.PLAIN, graph_t("decode", 1, len(rows)), [np.zeros(0, np.int64)] * len(rows))
+        return super().choose(rows, graph_t)
+
+
+@pytest.mark.parametrize("cache", ["shared", "own"])
+def test_a_draft_equal_to_the_target_has_every_proposal_accepted_in_a_batch(cache):
+    """The toy model (fake_batch.py) as its own draft, greedy and seeded sampled
     rows joining at different steps: the draft's j-th token is chosen at the row's position + j
     from the prefix the target will verify, so it IS the target's choice there (same logits,
     same u(seed, position): choice.py), and every proposed token is accepted: accepted ==
     drafted for every request, exactly. (A round that would pass the budget proposes fewer
     tokens, room = what is left: it is shortened, never rejected.) A draft that reads its
     prompt one slot off, chooses for the wrong position or drafts from the wrong token
-    proposes what the target does not choose, and the share falls."""
+    proposes what the target does not choose, and the share falls.
+
+    cache "own": the draft as a separate model with its own cache (a draft model in the batch):
+    it prefills each prompt beside the target and catches up on the tokens its rows lack before
+    each draft round; a row whose draft cache is not rewound after a rejection, is rewound to the
+    wrong length or does not move with its row drafts from a prefix the target never had (or
+    reads a slot never written: the toy cache fails at once), and the share falls. Five rounds of
+    every eight are plain steps, so rows fall behind their draft cache by up to 5 tokens and catch
+    up in more than one call."""
     V, EOS, K, ROWS, CAP = 16, 15, 3, 3, 96
     target = FakeLM(V, ROWS, CAP)
-    draft = FakeLM(V, ROWS, CAP, cache=target.cache, graph_tokens={"decode": 0})   # same salt: the same model
     # a draft step far cheaper than a verify pass: every step with room drafts
     costs = BatchCosts({T: {1: 10.0, 8: 10.0} for T in (1, 2, 4)}, draft={1: 0.5, 8: 0.5})
+    if cache == "shared":
+        draft = FakeLM(V, ROWS, CAP, cache=target.cache, graph_tokens={"decode": 0})   # same salt: the same model
+        policy = BatchPolicy(costs, K, draft=True)
+    else:
+        draft = FakeLM(V, ROWS, CAP, graph_tokens={"prefill": 8, "decode": 0, "verify": 0})
+        policy = SometimesPlain(costs, K, draft=True)
     eng = BatchEngine(target, max_num_seqs=ROWS, max_context=CAP - 8, prefill_tokens=8, k_max=K, vocab=V,
-                      policy=BatchPolicy(costs, K, draft=True), eos={EOS}, draft=draft)
+                      policy=policy, eos={EOS}, draft=draft)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 4], [2] * 9, list(range(14)), [7, 7, 1, 7],
                [9, 1] * 6, [3, 4, 5], [11, 12]]
     sampled = SamplingParams(temperature=1.0, top_k=8)
@@ -224,6 +249,74 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted_in_a_batch():
     assert any(m.drafted < K * m.iterations for m in metrics)     # some rounds were shortened by the budget
     drafted = sum(out["done"].metrics.drafted for *_, out in requests)
     emitted = sum(len(out["tokens"]) for *_, out in requests)
-    assert eng.stats.choices[RoundKind.DRAFT.value] > 0.5 * eng.stats.steps, eng.stats.choices
-    assert drafted > 0.5 * emitted, (drafted, emitted)      # most tokens came from the draft
+    share = 0.5 if cache == "shared" else 0.3                  # ("own": 5 rounds of 8 are plain)
+    assert eng.stats.choices[RoundKind.DRAFT.value] > share * eng.stats.steps, eng.stats.choices
+    assert drafted > share * emitted, (drafted, emitted)      # many tokens came from the draft
+    if cache == "own":
+        catch_ups = sum(g == "verify" for g, *_ in draft.calls)
+        assert catch_ups > eng.stats.choices[RoundKind.DRAFT.value]      # some rows caught up in two calls
+        assert sum(g == "prefill" for g, *_ in draft.calls) == eng.stats.prefill_chunks
     assert eng.stats.occupancy > 1.5, eng.stats             # rows shared the draft rounds
+
+
+def test_a_draft_model_with_its_own_cache_proposes_from_each_rows_own_tokens():
+    """A separate draft model (another toy model, agreeing with the target only sometimes) with
+    its own cache in a batch of 3 rows, 8 requests joining and leaving, greedy and sampled, with
+    plain rounds between the draft rounds. Every proposal is checked against the draft model
+    run on the row's true tokens (the prefix the target verified, then the proposals before it):
+    a draft cache that keeps a rejected proposal's K/V (not rewound, or rewound one too few), or
+    that was fed from the wrong offset, or did not move with its row, proposes from another
+    prefix. And every request gets exactly its tokens alone."""
+    V, EOS, K, ROWS, CAP = 16, 15, 3, 3, 96
+    target = FakeLM(V, ROWS, CAP, sharpness=3.0)
+    draft = FakeLM(V, ROWS, CAP, salt=b"draft", sharpness=3.0, graph_tokens={"prefill": 8, "decode": 0, "verify": 0})
+    # the draft agrees with the target about half the time: mix their logits
+    own = draft.logits
+    draft.logits = lambda prefix: own(prefix) + target.logits(prefix)
+    costs = BatchCosts({T: {1: 10.0, 8: 10.0} for T in (1, 2, 4)}, draft={1: 0.5, 8: 0.5})
+    eng = BatchEngine(target, max_num_seqs=ROWS, max_context=CAP - 8, prefill_tokens=8, k_max=K, vocab=V,
+                      policy=SometimesPlain(costs, K, draft=True), eos={EOS}, draft=draft)
+    proposed = []           # (seq before the round, params, seed, the row's proposals)
+    real_draft = eng._draft_own
+
+    def record(choice):
+        out = real_draft(choice)
+        proposed.extend((list(r.seq), r.req.params, r.req.seed, list(p)) for r, p in zip(eng.rows, out))
+        return out
+    eng._draft_own = record
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 4], [2] * 9, list(range(14)), [7, 7, 1, 7],
+               [9, 1] * 6, [3, 4, 5], [11, 12]]
+    sampled = SamplingParams(temperature=1.0, top_k=8)
+    outs = []
+    for i, prompt in enumerate(prompts):
+        out = {"tokens": [], "done": None}
+        outs.append((prompt, 12 + 3 * i, SamplingParams() if i % 2 else sampled, 200 + i, out))
+
+        def sink(ev, out=out):
+            if isinstance(ev, Delta):
+                out["tokens"] += ev.tokens
+            elif isinstance(ev, Done):
+                out["done"] = ev
+        eng.add(Request(list(prompt), 12 + 3 * i, outs[-1][2], seed=200 + i, sink=sink, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+    for _ in range(5000):
+        if not eng.step() and eng.idle():
+            break
+    assert eng.idle()
+    scratch = np.zeros(V, np.float32)
+    for seq, params, seed, p in proposed:
+        ctx = list(seq)
+        for tok in p:
+            assert tok == choose(draft.logits(ctx), params, seed, len(ctx), scratch), (seq, p)
+            ctx.append(tok)
+    for prompt, n, params, seed, out in outs:
+        seq, want = list(prompt), []
+        for _ in range(n):
+            want.append(choose(target.logits(seq), params, seed, len(seq), scratch))
+            seq.append(want[-1])
+        assert out["tokens"] == want, (prompt, params)
+    drafted = sum(out["done"].metrics.drafted for *_, out in outs)
+    accepted = sum(out["done"].metrics.accepted for *_, out in outs)
+    assert 0 < accepted < drafted, (accepted, drafted)      # proposals were rejected, and accepted
+    assert len(proposed) > 30 and eng.stats.occupancy > 1.5
