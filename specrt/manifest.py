@@ -78,6 +78,7 @@ class GraphEntry:
 @dataclass(frozen=True)
 class ModelEntry:
     role: str                       # "target" | "draft" | "batch" (the target with a batch dimension)
+                                    # | "batch_draft" (a draft model with a batch dimension, own cache)
     family: str
     precision: str                  # "fp32" | "int8-dynamic" | ...
     dims: dict                      # layers, hidden, heads, kv_heads, head_dim, vocab, ...
@@ -134,6 +135,12 @@ class Manifest:
     def batch(self) -> ModelEntry | None:
         """The target with a batch dimension (`specrt build --batch`), for the batched engine."""
         return self.models.get("batch")
+
+    @property
+    def batch_draft(self) -> ModelEntry | None:
+        """A separate draft model with a batch dimension and its own cache (`--batch` with a
+        draft model or truncate:N), run inside the batch by the batched engine."""
+        return self.models.get("batch_draft")
 
     # --- io ---------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -211,12 +218,17 @@ def load(directory: str | Path) -> Manifest:
             if g in window and e.tokens != window[g] and not wide_decode and not e.dynamic_tokens:
                 raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "
                                     "(inconsistent manifest): rebuild the engines")
-        need = REQUIRED_GRAPHS[role if role in ("target", "batch") else ("shared" if m.shares_cache_with else "own")]
+        need = REQUIRED_GRAPHS[role if role in ("target", "batch", "batch_draft")
+                               else ("shared" if m.shares_cache_with else "own")]
         missing = [g for g in need if g not in m.graphs]
         if missing:
             raise ManifestError(f"{path}: the {role} model has no {', '.join(missing)} graph (it needs "
                                 f"{', '.join(need)}): the manifest is damaged or incomplete; rebuild the engines")
         _check_initializers(path, role, m)
+    bd = man.batch_draft
+    if bd is not None and (man.batch is None or bd.dims["vocab"] != man.batch.dims["vocab"]):
+        raise ManifestError(f"{path}: models.batch_draft needs a batched target (models.batch) with its vocabulary "
+                            f"({bd.dims['vocab']}): the manifest is damaged or incomplete; rebuild the engines")
     _check_special_ids(path, man)
     confine(man, path.parent, path)
     return man
@@ -228,8 +240,9 @@ DECODE_PAIR_ROWS = 2    # the widest decode graph a target may have (T=2: plain 
 # graphs each model needs: the target always has all three (plain and speculative use
 # them); a draft that reads the target's cache only steps, a draft with its own prefills
 REQUIRED_GRAPHS = {"target": ("prefill", "decode", "verify"), "shared": ("decode",), "own": ("prefill", "decode"),
-                   "batch": ("step",)}   # one graph, [rows, T] ids, for prefill chunks and decode steps
-ROLES = ("target", "draft", "batch")
+                   "batch": ("step",),   # one graph, [rows, T] ids, for prefill chunks and decode steps
+                   "batch_draft": ("step",)}
+ROLES = ("target", "draft", "batch", "batch_draft")
 _DICT_FIELDS = ("shapes", "models", "tokenizer", "device", "tools")
 _MODEL_DICT_FIELDS = ("dims", "graphs", "weights", "source", "kv")
 HW_COMPAT_LEVELS = ("none", "ampere_plus", "same_compute_capability")   # engines.hardware_compatibility_level
@@ -249,7 +262,7 @@ def _check_structure(raw: dict) -> None:
         raise TypeError(f"device.{bad[0]} must be a string")
     for role, m in raw["models"].items():
         if role not in ROLES or not isinstance(m, dict):
-            raise TypeError(f"models.{role} must be an object named target, draft or batch")
+            raise TypeError(f"models.{role} must be an object named target, draft, batch or batch_draft")
         for name in _MODEL_DICT_FIELDS:
             if not isinstance(m.get(name), dict):
                 raise TypeError(f"models.{role}.{name} must be an object, got {type(m.get(name)).__name__}")
@@ -261,8 +274,8 @@ def _check_structure(raw: dict) -> None:
             if e.get("batch") not in (None, "dynamic") or not isinstance(e.get("dynamic_tokens", False), bool):
                 raise ValueError(f"models.{role}.graphs.{g}: batch={e.get('batch')!r} (expected \"dynamic\" or "
                                  f"absent) or dynamic_tokens={e.get('dynamic_tokens')!r} (expected true/false)")
-        if role == "batch" and any(e.get("batch") != "dynamic" for e in m["graphs"].values()):
-            raise ValueError("models.batch: every graph of the batched model needs batch=\"dynamic\"")
+        if role in ("batch", "batch_draft") and any(e.get("batch") != "dynamic" for e in m["graphs"].values()):
+            raise ValueError(f"models.{role}: every graph of a batched model needs batch=\"dynamic\"")
         for key in ("layers", "kv_heads", "head_dim", "vocab"):
             v = m["dims"].get(key)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:

@@ -172,6 +172,18 @@ def tiny_batch_rows_draft_engines(tmp_path_factory, tiny_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_rows_model_engines(tmp_path_factory, tiny_pair) -> Path:
+    """tiny_batch_rows_engines with a separate draft model, the target's first 2 layers (`--draft
+    truncate:2`; a draft from another folder takes the same path with layers=None): the build
+    gives it a batch dimension too (models.batch_draft), and it runs inside the batch with its
+    own cache."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-rows-trunc",
+                 lambda d: build_tiny(d / "batchrm", target, "truncate:2", batch=True, batch_attention="rows",
+                                      measure_costs=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_self_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target with its dynamic-INT8 copy as draft (shared cache)."""
     target, _ = tiny_pair

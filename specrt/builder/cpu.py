@@ -37,7 +37,9 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     shapes, kind = cfg.shapes, cfg.draft_kind
     n_graphs = 3 + {"none": 0, "int8": 1, "int8-dynamic": 1, "truncate": 2, "model": 2}[kind]
     table = bool(cfg.ngram_tokens) and cfg.precision != "fp32"   # a two-row decode graph (checked below)
-    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None) + table + cfg.batch, desc="build", unit="step",
+    batch_draft = cfg.batch and kind in ("truncate", "model")      # (counted even where it is left out)
+    bar = tqdm(total=n_graphs + 3 + (cfg.draft_vocab is not None) + table + cfg.batch + batch_draft, desc="build",
+               unit="step",
                disable=not progress)
     t_start = time.perf_counter()
 
@@ -138,6 +140,14 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
                  source={**dm.identity, **derived, "tokenizer_sha256": tok_info["sha256"]},
                  kv=steps.kv(cfg, None))
         parts["draft"] = d
+        if cfg.batch:     # the draft model inside the batch: its own cache per row
+            from specrt.builder.gates import batch
+            bar.set_postfix_str("exporting the batched draft")
+            bd = batch.export_draft(cfg, dm, layers, tmp, parts["batch"], d, prompts)
+            if bd is not None:
+                parts["batch_draft"] = bd
+                step(f"batched draft: top-1 agreement with the batched target "
+                     f"{bd['parity']['draft_agreement']['top1_agreement']:.2f}")
     proposers = {}
     if cfg.ngram_tokens and part["graphs"]["decode"]["tokens"] > 1:   # pair rounds: guesses where lookup has none
         from specrt.builder.gates import ngrams
@@ -153,7 +163,8 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
         if cfg.batch:     # what each batched step costs per rows x T: speculation chosen per step
             from specrt.builder.gates import batch
-            build_info["speculation"]["batch_costs_ms"] = batch.costs(tmp, parts["batch"], shapes)
+            build_info["speculation"]["batch_costs_ms"] = batch.costs(tmp, parts["batch"], shapes,
+                                                                      draft_part=parts.get("batch_draft"))
     build_info["seconds"] = round(time.perf_counter() - t_start, 1)
     manifest_writer.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
     step("manifest written")

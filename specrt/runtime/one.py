@@ -14,7 +14,9 @@ given to the generator caps the rounds' windows. What the batched model cannot d
 of one does not do either, so that it keeps the server's answers (`plain_because` says why):
 a `--batch-attention gqa` model verifies no windows (plain steps only), a build without
 measured costs (--no-measure-costs) has no policy (plain steps), and a draft without a batched
-graph (--draft truncate:N or a draft model, --draft-vocab) is not used (lookup and pair rounds).
+graph (--draft-vocab, or a folder built before draft models got one) is not used (lookup and
+pair rounds). A draft model or truncate:N runs inside the batch with its own cache
+(models.batch_draft).
 The one-row graphs of such a folder are not loaded (`engine="one-row"` loads them: `specrt
 bench` and `specrt profile` time them, and answers may then differ from the server's).
 """
@@ -57,8 +59,10 @@ def plain_because(man) -> str | None:
 
 
 def draft_left_out(man) -> bool:
-    """Does the folder have a draft that its batched model cannot run (no batched draft graph)?"""
-    return man.draft is not None and man.batch is not None and "draft" not in man.batch.graphs
+    """Does the folder have a draft that its batched model cannot run (no batched draft graph,
+    no batched draft model)?"""
+    return man.draft is not None and man.batch is not None and "draft" not in man.batch.graphs \
+        and man.batch_draft is None
 
 
 class BatchOfOne:

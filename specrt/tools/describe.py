@@ -144,6 +144,11 @@ def describe(man: mf.Manifest) -> str:
             agree = agree if isinstance(agree, dict) else {}
             lines.append(f"  draft    {dg.get('method')}, {dg.get('bits')}-bit: {dg.get('runs')}; top-1 agreement "
                          f"with this model {agree.get('top1_agreement', '?')}")
+        if role == "batch_draft":      # a draft model inside a batch, its own cache per row
+            agree = (m.parity or {}).get("draft_agreement") if isinstance(m.parity, dict) else None
+            agree = agree if isinstance(agree, dict) else {}
+            lines.append(f"  draft    runs inside the batch with its own cache per row; top-1 agreement with the batched "
+                         f"target {agree.get('top1_agreement', '?')}")
         q = m.source.get("quantization")
         if q:
             lines.append(f"  quant    {q.get('method')}, {q.get('bits')}-bit, block {q.get('block_size')}, "

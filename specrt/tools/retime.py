@@ -63,7 +63,7 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     spec = plan.plan(costs, acceptance, man.shapes.k)
     if man.batch is not None:
         out("retime: timing the batched model (rows x tokens per step)")
-        spec["batch_costs_ms"] = batch.entry_costs(root, man.batch, man.shapes)
+        spec["batch_costs_ms"] = batch.entry_costs(root, man.batch, man.shapes, draft_entry=man.batch_draft)
     spec["retimed"] = {"by": f"specrt {__version__} retime",
                        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "previous": previous}

@@ -135,6 +135,53 @@ def draft_spec(cfg, attention: str):
     return {"int8": SPECS["blockwise"], "int8-dynamic": SPECS["dynamic"]}.get(cfg.draft_kind)
 
 
+def export_draft(cfg, dm, layers: int | None, tmp: Path, batch_part: dict, draft_part: dict, prompts) -> dict | None:
+    """A separate draft model (`--draft PATH` or `--draft truncate:N`) with a batch dimension,
+    for the batched engine: its own cache, one graph "step" with a symbolic T (prompt chunks,
+    the catch-up of a row's last tokens, one-token steps). Exported as the one-row draft is
+    (fp32, the same layers), into tmp/batch_draft; its manifest part (role "batch_draft"), or
+    None when the batch cannot speculate (its target batch verifies no windows: a draft there
+    would never run). What a draft proposes never changes a row's tokens (the target verifies
+    every one, runtime/choice.py), so no invariance gate: the build measures its agreement with
+    the batched target, the prior of its acceptance."""
+    from specrt.export import onnx_export
+    if not batch_part["parity"]["window_invariance"].get("equal"):
+        return None
+    attention = batch_part["attention"]
+    part = onnx_export.export_model(dm, cfg.shapes, tmp / "batch_draft", layers=layers, attention=attention,
+                                    batch="dynamic", tokens={"step": "dynamic"})
+    what = draft_part["source"].get("derived", "a draft model")
+    part.update(subdir="batch_draft", family=draft_part["family"], precision=draft_part["precision"],
+                source={**draft_part["source"], "attention": attention,
+                        "derived": f"the draft ({what}) with a batch dimension and its own cache (export/batch.py)"},
+                kv={**draft_part["kv"], "update": part["kv_update"]})
+    part["parity"] = {"draft_agreement": own_draft_agreement(tmp, batch_part, part, cfg.shapes, prompts)}
+    return part
+
+
+def own_draft_agreement(tmp: Path, batch_part: dict, part: dict, shapes, prompts) -> dict:
+    """Greedy top-1 agreement of a batched draft with its own cache and the batched target, all
+    rows in one call, each step on the target's own greedy prefix (the draft is fed the
+    target's token, as a row catches up after a round)."""
+    from specrt.builder.manifest_writer import model_entry
+    rows_ids = [list(p[:shapes.max_context - STEPS * 2 - 1]) for p in prompts]
+    model = _model(tmp, batch_part, shapes, len(rows_ids))
+    draft = _open(tmp, model_entry("batch_draft", part, "batch_draft"), shapes, len(rows_ids))
+    cur = _prefill(model, rows_ids, shapes)
+    _prefill(draft, rows_ids, shapes)
+    lengths = np.array([len(r) for r in rows_ids], np.int64)
+    same = total = 0
+    for _ in range(STEPS * 2):
+        toks = np.array(cur, np.int64)[:, None]
+        guess = np.argmax(draft.step("decode", toks, lengths, 0)[:, 0], axis=-1)
+        cur = [int(x) for x in np.argmax(model.step("decode", toks, lengths, 0)[:, 0], axis=-1)]
+        same += int(np.sum(guess == np.array(cur)))
+        total += len(cur)
+        lengths = lengths + 1
+    log.info("batched draft model: top-1 agreement with the batched target %d / %d", same, total)
+    return {"positions": total, "equal_argmax": same, "top1_agreement": round(same / total, 4)}
+
+
 def _model(tmp: Path, part: dict, shapes, rows: int, graphs=None, cache=None):
     from specrt.builder.manifest_writer import model_entry
     return _open(tmp, model_entry("batch", part, "batch"), shapes, rows, graphs, cache)
@@ -325,19 +372,22 @@ def draft_agreement(tmp: Path, part: dict, shapes, prompts) -> dict:
 
 
 def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,
-          warmup: int = 2) -> dict:
+          warmup: int = 2, draft_part: dict | None = None) -> dict:
     """Median ms of one batched step per (T, rows) at `context` tokens of cache, timed
     interleaved: T = 1, 2 and k+1; rows 1, 2, 4, 8 (several tokens in several rows only where
-    the kernels run them). runtime/batch/policy.BatchCosts reads it."""
+    the kernels run them); and one draft step a row (the "draft" graph, or the batched draft
+    model draft_part). runtime/batch/policy.BatchCosts reads it."""
     from specrt.builder.manifest_writer import model_entry
+    own = model_entry("batch_draft", draft_part, "batch_draft") if draft_part is not None else None
     return entry_costs(tmp, model_entry("batch", part, "batch"), shapes, rows=rows, context=context, runs=runs,
-                       warmup=warmup)
+                       warmup=warmup, draft_entry=own)
 
 
 def entry_costs(root: Path, entry, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,
-                warmup: int = 2) -> dict:
+                warmup: int = 2, draft_entry=None) -> dict:
     """`costs` of a batched model described by its manifest entry (files relative to `root`):
-    the build's measurement, and `specrt retime`'s on a built folder (tools/retime.py)."""
+    the build's measurement, and `specrt retime`'s on a built folder (tools/retime.py).
+    draft_entry: a batched draft model with its own cache (models.batch_draft)."""
     from specrt.builder.gates.plan import interleaved_ms
     model = _open(root, entry, shapes, rows)
     context = min(context, shapes.max_context - shapes.k - 1)
@@ -351,7 +401,8 @@ def entry_costs(root: Path, entry, shapes, *, rows: int = 8, context: int = 128,
         return lambda: model.step("step", toks, starts, 0, pad_start=context)
 
     calls = {c: step(*c) for c in cases}
-    draft = _open(root, entry, shapes, model.rows, ("draft",), model.cache) if "draft" in entry.graphs else None
+    draft = _open(root, entry, shapes, model.rows, ("draft",), model.cache) if "draft" in entry.graphs else \
+        _open(root, draft_entry, shapes, model.rows) if draft_entry is not None else None
     if draft is not None:       # one draft step (one token a row) at each row count
         for n in ns:
             toks, starts = np.ones((n, 1), np.int64), np.full(n, context, np.int64)

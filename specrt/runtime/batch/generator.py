@@ -307,7 +307,11 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
         model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=graphs, threads=threads)
     policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
     draft = None
-    if policy.has_draft:
+    if policy.has_draft and man.batch_draft is not None:
+        # a draft model inside the batch, with its own cache: it prefills each prompt beside the
+        # target and catches each row up on the tokens its cache lacks (runtime/batch/engine.py)
+        draft = OrtBatchModel(root, man.batch_draft, man.shapes, rows=max_num_seqs, threads=threads, min_rows=1)
+    elif policy.has_draft:
         # the int8 self-draft inside the batch: its "draft" graph over the target's cache (what it
         # writes past a row's length the verify pass overwrites), one token a row per step
         draft = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("draft",), serves="draft",
@@ -357,19 +361,21 @@ def _policy(root, man, entry, speculate: bool):
         return BatchPolicy(None, k), min_tokens
     ngrams = (man.proposers or {}).get("ngrams")
     table = [TableGuess(NgramTable.load(root / ngrams["file"]))] if ngrams else []
-    # the int8 self-draft inside the batch: its graph, and its step cost the build measured
-    draft = "draft" in entry.graphs and costs.draft(1) is not None
-    priors = {"draft": _draft_prior(entry)} if draft else None
+    # a draft inside the batch (the int8 self-draft's graph, or a draft model with its own
+    # cache), and its step cost the build measured
+    own = man.batch_draft
+    draft = ("draft" in entry.graphs or own is not None) and costs.draft(1) is not None
+    priors = {"draft": _draft_prior(own or entry)} if draft else None
     return BatchPolicy(costs, k, lookup=PromptLookup(2, k), pair_guess=Chain([OneGram()] + table), draft=draft,
                        priors=priors), min_tokens
 
 
 def _draft_prior(entry) -> float:
     """The batched draft's prior acceptance: its top-1 agreement with the batched target that
-    the build measured (models.batch.parity.draft_agreement)."""
-    agreement = entry.parity.get("draft_agreement")
+    the build measured (models.batch.parity.draft_agreement, or models.batch_draft's)."""
+    agreement = entry.parity.get("draft_agreement") if isinstance(entry.parity, dict) else None
     v = agreement.get("top1_agreement") if isinstance(agreement, dict) else None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-        raise ManifestError(f"models.batch.parity.draft_agreement.top1_agreement={v!r} is not a number in [0, 1]: "
+        raise ManifestError(f"models.{entry.role}.parity.draft_agreement.top1_agreement={v!r} is not a number in [0, 1]: "
                             "the manifest was edited; rebuild the engines with `specrt build ... --batch`")
     return float(v)
