@@ -50,12 +50,14 @@ class Collect:
 
 
 def make_engine(rows=3, *, costs=COSTS, draft=True, lookup=True, tokenizer=None, capacity=96, min_rows=1,
-                graph_tokens=None, clock=None, prefill=8, row_multiple=1):
+                graph_tokens=None, clock=None, prefill=8, row_multiple=1, own_draft=False):
+    """own_draft: the draft is a separate model with its own cache (else it writes the target's)."""
     graph_tokens = graph_tokens or {"prefill": prefill, "decode": 0, "verify": 0}
     spare = int(row_multiple > 1)          # as OrtBatchModel: one cache row past max_num_seqs for padding
     target = FakeLM(V, rows + spare, capacity, graph_tokens=graph_tokens, min_rows=min_rows, row_multiple=row_multiple)
-    d = FakeLM(V, rows + spare, capacity, salt=b"draft", sharpness=1.0, cache=target.cache,
-               graph_tokens={"decode": 0}, row_multiple=row_multiple) if draft else None
+    d = FakeLM(V, rows + spare, capacity, salt=b"draft", sharpness=1.0, cache=None if own_draft else target.cache,
+               graph_tokens={"prefill": 0, "decode": 0, "verify": 0} if own_draft else {"decode": 0},
+               row_multiple=row_multiple) if draft else None
     if d is not None:                      # the draft agrees with the target often: mix their logits
         base = d.logits
         d.logits = lambda prefix: 0.8 * target.logits(prefix) + 0.2 * base(prefix)
@@ -277,11 +279,12 @@ def _exact_triples(lm, prompt, params):
     return out / out.sum()
 
 
-def test_sampled_rows_in_a_batch_follow_the_targets_distribution_exactly(monkeypatch):
+@pytest.mark.parametrize("draft", ["shared cache", "own cache"])
+def test_sampled_rows_in_a_batch_follow_the_targets_distribution_exactly(monkeypatch, draft):
     """Unseeded requests (a fresh seed each), sharing steps with other rows under lookup, pair and
-    draft rounds: the first three tokens' joint frequencies (the 2nd and 3rd can come from a
-    proposal) against the exact distribution. The same check fails for a rule that keeps
-    every proposed token."""
+    draft rounds (the draft writing the target's cache, or a draft model with its own): the first
+    three tokens' joint frequencies (the 2nd and 3rd can come from a proposal) against the exact
+    distribution. The same check fails for a rule that keeps every proposed token."""
     from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
     params = SamplingParams(temperature=1.0, top_k=4)
     prompt = [3, 4, 3, 4, 3, 4, 3]          # repeats: lookup and pair rounds have guesses
@@ -289,7 +292,7 @@ def test_sampled_rows_in_a_batch_follow_the_targets_distribution_exactly(monkeyp
     exact = _exact_triples(lm, prompt, params)
 
     def counts(n=3000):
-        eng, _ = make_engine(4)
+        eng, _ = make_engine(4, own_draft=draft == "own cache")
         cs = [submit(eng, prompt, 3, params, seed=s) for s in range(n)]
         for s in range(n // 50):
             submit(eng, PROMPTS[s % 6], 6, SamplingParams(temperature=0.7), seed=10_000 + s)
@@ -304,6 +307,7 @@ def test_sampled_rows_in_a_batch_follow_the_targets_distribution_exactly(monkeyp
     fit = goodness_of_fit(c, exact)
     assert fit.passes, fit
     assert set(kinds) - {"plain"} and accepted > 300, (kinds, accepted)
+    assert kinds["draft"] > 0, kinds
 
     import specrt.runtime.batch.engine as engine_mod
     real = engine_mod.first_mismatch
