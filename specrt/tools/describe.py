@@ -92,6 +92,10 @@ def _runs(man: mf.Manifest) -> str:
     except ManifestError as e:
         why = f"a damaged record ({e})"
     how = f"plain steps only: {why}" if why else "speculating per step by measured cost"
+    if not why and man.batch_draft is not None:
+        how += " (the draft model inside the batch, its own cache per row)"
+    elif not why and "draft" in man.batch.graphs:
+        how += " (the int8 self-draft inside the batch)"
     left = "; the one-row draft is not used (no batched draft graph)" if draft_left_out(man) and not why else ""
     return ("runs       every request (generate, the API, the server, Triton) on the batched model, a batch of one "
             f"or many: {how}{left}")

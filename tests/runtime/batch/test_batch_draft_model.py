@@ -120,4 +120,5 @@ def test_inspect_says_the_draft_model_runs_inside_the_batch(tiny_batch_rows_mode
     from specrt.tools.describe import describe
     text = describe(load(tiny_batch_rows_model_engines))
     assert "[batch_draft]" in text and "its own cache per row" in text
+    assert "speculating per step by measured cost (the draft model inside the batch" in text
     assert "not used" not in text
