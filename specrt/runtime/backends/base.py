@@ -4,10 +4,13 @@ that picks the backend a manifest was built for.
     manifest.device {"backend": "onnxruntime", "kind": "cpu", ...}
         └─ backend_for(manifest) ─► Backend("ort-cpu")
               ├─ check_device(manifest)        refuses engines built elsewhere, says what to rebuild
-              └─ open_model(root, entry, shapes, cache=..., graphs=..., ...) ─► ModelRunner
-                    .step(graph, tokens, start) -> logits [n, V] (host, reused buffer)
-                    .argmax_step(graph, tokens, start, out)  greedy: n integers, no logits rows
-                    .cache: Cache (.length, .capacity, .rewind_to(n))
+              ├─ open_model(root, entry, shapes, cache=..., graphs=..., ...) ─► ModelRunner
+              │     .step(graph, tokens, start) -> logits [n, V] (host, reused buffer)
+              │     .argmax_step(graph, tokens, start, out)  greedy: n integers, no logits rows
+              │     .cache: Cache (.length, .capacity, .rewind_to(n))
+              └─ open_batch(root, entry, shapes, rows=..., ...) ─► BatchModel (runtime/batch/model.py)
+                    the batched engine's model over a cache of many rows; None: the backend
+                    has no batched runner (open_batch refuses such a folder, naming the fix)
 
 The loop sees only ModelRunner and Cache. A device backend (ONNX Runtime CUDA,
 TensorRT) keeps its KV on the device and implements the same two protocols; a
@@ -59,6 +62,11 @@ class Backend:
     memory_modes: tuple[str, ...]
     open_model: Callable[..., ModelRunner]
     check_device: Callable[[object], None]
+    # open_batch(root, entry, shapes, *, rows, threads, graphs=None, cache=None, serves="step",
+    # min_rows=None, buckets=None, execution="cpu") -> BatchModel: the batched engine's model
+    # (the target's "step" graph, the int8 self-draft's "draft" graph over its cache, or a draft
+    # model with its own); buckets: static row buckets with captured graphs (device_batch.py)
+    open_batch: Callable[..., object] | None = None
 
 
 _REGISTRY: dict[tuple[str, str], Backend] = {}

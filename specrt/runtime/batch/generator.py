@@ -277,7 +277,6 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
 
     from specrt import manifest as mf
     from specrt.runtime.backends import backend_for
-    from specrt.runtime.backends.ort_batch import OrtBatchModel
     from specrt.runtime.tokenizer import Tokenizer
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or not 1 <= max_num_seqs <= 256:
         raise ConfigError(f"max_num_seqs={max_num_seqs!r}: give an integer in [1, 256]")
@@ -285,7 +284,8 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
         raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
     root = Path(engines)
     man = mf.load(root)
-    backend_for(man).check_device(man)      # as SpeculativeGenerator: another device or CPU int8 path is refused
+    backend = backend_for(man)
+    backend.check_device(man)      # as SpeculativeGenerator: another device or CPU int8 path is refused
     mf.check_files(man, root)
     entry = man.batch
     if entry is None:
@@ -296,26 +296,25 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     if inv.get("equal") is not True:
         raise ConfigError(f"{root}: the build did not show that the batched graph computes each row independently of "
                           "the others (manifest models.batch.parity.batch_invariance): rebuild with this specrt")
+    if backend.open_batch is None:
+        raise ConfigError(f"{root}: the {backend.name} backend has no batched runner yet: serve this folder with "
+                          "--workers N (one request per engine copy), or build it for ort-cpu")
     check = mf.HashCheck(man, root) if verify == "full" else None
-    if buckets is not None:
-        from specrt.runtime.backends.device_batch import DeviceBatchModel
-        model = DeviceBatchModel(root, entry, man.shapes, rows=max_num_seqs, buckets=tuple(buckets),
-                                 execution=execution, threads=threads)
-    else:
-        # "prefill": the int8 prompt-chunk graph of `--batch-prefill rowwise` builds
-        graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
-        model = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=graphs, threads=threads)
+    # "prefill": the int8 prompt-chunk graph of `--batch-prefill rowwise` builds
+    graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
+    model = backend.open_batch(root, entry, man.shapes, rows=max_num_seqs, graphs=graphs, threads=threads,
+                               buckets=buckets, execution=execution)
     policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
     draft = None
     if policy.has_draft and man.batch_draft is not None:
         # a draft model inside the batch, with its own cache: it prefills each prompt beside the
         # target and catches each row up on the tokens its cache lacks (runtime/batch/engine.py)
-        draft = OrtBatchModel(root, man.batch_draft, man.shapes, rows=max_num_seqs, threads=threads, min_rows=1)
+        draft = backend.open_batch(root, man.batch_draft, man.shapes, rows=max_num_seqs, threads=threads, min_rows=1)
     elif policy.has_draft:
         # the int8 self-draft inside the batch: its "draft" graph over the target's cache (what it
         # writes past a row's length the verify pass overwrites), one token a row per step
-        draft = OrtBatchModel(root, entry, man.shapes, rows=max_num_seqs, graphs=("draft",), serves="draft",
-                              cache=model.cache, threads=threads, min_rows=1)
+        draft = backend.open_batch(root, entry, man.shapes, rows=max_num_seqs, graphs=("draft",), serves="draft",
+                                   cache=model.cache, threads=threads, min_rows=1)
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)
