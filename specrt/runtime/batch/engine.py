@@ -310,7 +310,7 @@ class BatchEngine:
             if max(lag) <= W:
                 break
             # rows far behind (rounds that did not draft) catch up in chunks; the others feed padding
-            C = max(self.prefill_tokens, W)
+            C = self.draft.graph_tokens.get("verify", 0) or max(self.prefill_tokens, W)
             feeds = [r.seq[r.draft_len:r.draft_len + min(max(g - W, 0), C)] for r, g in zip(rows, lag)]
             self._feed_draft(0, feeds, [r.draft_len for r in rows], "verify")
             for r, f in zip(rows, feeds):
