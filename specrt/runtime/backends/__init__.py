@@ -1,6 +1,6 @@
 """Backends behind one interface (see base.py); importing this package registers them.
 
-    ort-cpu    onnxruntime on cpu    ort_cpu.py     (imported here)
+    ort-cpu    onnxruntime on cpu    ort_cpu.py     (imported here; batched models: cpu_batch.py)
     ort-cuda   onnxruntime on cuda   ort_cuda.py    (imported when a cuda manifest is opened)
     tensorrt   tensorrt on cuda      trt_runtime.py (imported when a TensorRT manifest is opened)
 
@@ -9,6 +9,7 @@ onnxruntime-gpu, tensorrt, cuda-python) load on the first check_device/open_mode
 so a CPU installation never imports them. On a machine without the GPU or package they
 need, check_device refuses with what to install or rebuild.
 """
+import dataclasses
 import importlib
 
 from specrt.runtime.backends import ort_cpu  # noqa: F401  (registers "ort-cpu")
@@ -21,6 +22,9 @@ def _lazy(module: str, attr: str):
     call.__name__ = call.__qualname__ = f"{module.rsplit('.', 1)[-1]}.{attr}"
     return call
 
+
+# ort-cpu's batched models (cpu_batch.py imports ort_cpu through ort_batch: loaded on first use)
+register(dataclasses.replace(ort_cpu.BACKEND, open_batch=_lazy("specrt.runtime.backends.cpu_batch", "open_batch")))
 
 for _name, _backend, _module in (("ort-cuda", "onnxruntime", "specrt.runtime.backends.ort_cuda"),
                                  ("tensorrt", "tensorrt", "specrt.runtime.backends.trt_runtime")):

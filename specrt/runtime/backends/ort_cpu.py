@@ -297,20 +297,5 @@ def _check_device(man) -> None:
     mf.check_device(man, backend="onnxruntime")
 
 
-def _open_batch(root, entry, shapes, *, rows: int, threads: int, graphs=None, cache=None, serves: str = "step",
-                min_rows: int | None = None, buckets=None, execution: str = "cpu"):
-    """The batched engine's model on ONNX Runtime: OrtBatchModel (ort_batch.py), or with
-    `buckets` the static row buckets of device_batch.py (execution "cpu" emulates their capture
-    here; "cuda" is GPU-only and has never run on a GPU)."""
-    if buckets is not None:
-        from specrt.runtime.backends.device_batch import DeviceBatchModel
-        return DeviceBatchModel(root, entry, shapes, rows=rows, buckets=tuple(buckets), execution=execution,
-                                threads=threads)
-    from specrt.runtime.backends.ort_batch import OrtBatchModel
-    return OrtBatchModel(root, entry, shapes, rows=rows, graphs=graphs, cache=cache, threads=threads,
-                         min_rows=min_rows, serves=serves)
-
-
 BACKEND = register(Backend(name="ort-cpu", device_backend="onnxruntime", device_kind="cpu",
-                           memory_modes=MEMORY_MODES, open_model=OrtModel, check_device=_check_device,
-                           open_batch=_open_batch))
+                           memory_modes=MEMORY_MODES, open_model=OrtModel, check_device=_check_device))
