@@ -169,6 +169,12 @@ def own_draft_agreement(tmp: Path, batch_part: dict, part: dict, shapes, prompts
     draft = _open(tmp, model_entry("batch_draft", part, "batch_draft"), shapes, len(rows_ids))
     cur = _prefill(model, rows_ids, shapes)
     _prefill(draft, rows_ids, shapes)
+    return _agreement(model, draft, cur, rows_ids, "batched draft model")
+
+
+def _agreement(model, draft, cur: list[int], rows_ids, what: str) -> dict:
+    """STEPS * 2 greedy steps of all rows in one call from each row's first token `cur`: the
+    draft's guess against the target's choice, the target's token fed to both."""
     lengths = np.array([len(r) for r in rows_ids], np.int64)
     same = total = 0
     for _ in range(STEPS * 2):
@@ -178,7 +184,7 @@ def own_draft_agreement(tmp: Path, batch_part: dict, part: dict, shapes, prompts
         same += int(np.sum(guess == np.array(cur)))
         total += len(cur)
         lengths = lengths + 1
-    log.info("batched draft model: top-1 agreement with the batched target %d / %d", same, total)
+    log.info("%s: top-1 agreement with the batched target %d / %d", what, same, total)
     return {"positions": total, "equal_argmax": same, "top1_agreement": round(same / total, 4)}
 
 
@@ -358,17 +364,7 @@ def draft_agreement(tmp: Path, part: dict, shapes, prompts) -> dict:
     model = _model(tmp, part, shapes, len(rows_ids))
     draft = draft_model(tmp, part, shapes, model)
     cur = _prefill(model, rows_ids, shapes)
-    lengths = np.array([len(r) for r in rows_ids], np.int64)
-    same = total = 0
-    for _ in range(STEPS * 2):
-        toks = np.array(cur, np.int64)[:, None]
-        guess = np.argmax(draft.step("decode", toks, lengths, 0)[:, 0], axis=-1)
-        cur = [int(x) for x in np.argmax(model.step("decode", toks, lengths, 0)[:, 0], axis=-1)]
-        same += int(np.sum(guess == np.array(cur)))
-        total += len(cur)
-        lengths = lengths + 1
-    log.info("batched draft: top-1 agreement with the batched target %d / %d", same, total)
-    return {"positions": total, "equal_argmax": same, "top1_agreement": round(same / total, 4)}
+    return _agreement(model, draft, cur, rows_ids, "batched draft")
 
 
 def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,
