@@ -34,6 +34,8 @@ from specrt.errors import (
 )
 from specrt.runtime.adaptive import AdaptiveK, StepCosts
 from specrt.runtime.backends import backend_for
+from specrt.runtime.batch.generator import matcher
+from specrt.runtime.grammar import GrammarError
 from specrt.runtime.loop import Adaptive, Emitted, FixedDraft, Lookup, Plain, decode
 from specrt.runtime.methods import METHODS, Method
 from specrt.runtime.metrics import Metrics
@@ -241,7 +243,8 @@ class SpeculativeGenerator(TextStreaming):
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | dict | None = None,
-               method: str | None = None, ngram: int = 2, adaptive: bool | None = None) -> Iterator[Emitted]:
+               method: str | None = None, ngram: int = 2, adaptive: bool | None = None, structured=None,
+               ignore_eos: bool = False) -> Iterator[Emitted]:
         """Yield generated tokens as they become final (EOS included; the caller stops).
         Arguments are checked here, before the first token is asked for.
         method: None (default): "speculative" when this generator loaded a draft, else "plain";
@@ -249,7 +252,10 @@ class SpeculativeGenerator(TextStreaming):
         continuation of the latest earlier match of the last `ngram` tokens; greedy only).
         With adaptive k, "speculative" also verifies prompt lookup's guess (n = `ngram`) in
         rounds where that pays better than the draft; ngram=0 turns this off.
-        adaptive: this call's setting (None: the instance's, see __init__)."""
+        adaptive: this call's setting (None: the instance's, see __init__).
+        structured: the output must match it (runtime/grammar.py: a Structured or a mapping such as
+        {"json_schema": {...}}); folders with a batched model only (`specrt build --batch`).
+        ignore_eos: only checked against `structured` here (the caller decides where to stop)."""
         sampling = SamplingParams.coerce(sampling)    # a SamplingParams, a mapping of its fields, or None
         if method is None:
             method = self.default_method
@@ -269,6 +275,12 @@ class SpeculativeGenerator(TextStreaming):
                                       f"methods including {method!r} (it has {self.methods})")
         prompt_ids = check_request(prompt_ids, max_new_tokens, self.shapes.max_context, self.vocab)
         P, C = len(prompt_ids), self.shapes.max_context
+        grammar = None
+        if structured is not None:
+            if self.one is None:
+                raise GrammarError("structured outputs run on an engine folder's batched model: rebuild the folder with "
+                                   "`specrt build ... --batch` (and open it with engine='auto')")
+            grammar = matcher(self.one.engine.grammars, structured, ignore_eos)
         if adaptive is not None and self.one is not None:
             if adaptive is not True:
                 raise ConfigError("this folder's batched engine chooses every round by measured cost: adaptive must "
@@ -276,10 +288,10 @@ class SpeculativeGenerator(TextStreaming):
         elif adaptive is not None:
             self._check_adaptive(adaptive, self.costs)
         return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram,
-                            adaptive)
+                            adaptive, grammar)
 
     def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram=2,
-                adaptive=None) -> Iterator[Emitted]:
+                adaptive=None, grammar=None) -> Iterator[Emitted]:
         if not self._busy.acquire(blocking=False):
             gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
             if not self._busy.acquire(blocking=False):
@@ -288,18 +300,19 @@ class SpeculativeGenerator(TextStreaming):
                     "thread is using it); its caches hold one generation at a time: finish or close() the other "
                     "stream first, or give each thread or worker its own SpeculativeGenerator")
         try:
-            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram, adaptive)
+            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram, adaptive,
+                                           grammar)
         finally:
             self._busy.release()
 
     def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method: Method, ngram,
-                       adaptive) -> Iterator[Emitted]:
+                       adaptive, grammar=None) -> Iterator[Emitted]:
         P = len(prompt_ids)
         m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
                                         prompt_tokens=P)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         if self.one is not None:
-            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram)
+            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram, grammar)
             return
         planner = self._planner(method, ngram, adaptive)
         t_start = time.perf_counter()

@@ -83,14 +83,14 @@ class BatchOfOne:
                            draft=full.has_draft and method is Method.SPECULATIVE, priors=full.priors)
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling, seed: int, m: Metrics, method: Method,
-               ngram: int) -> Iterator[Emitted]:
+               ngram: int, grammar=None) -> Iterator[Emitted]:
         """Yield the request's tokens as they become final, counting them into `m` (the
         caller's last_metrics; its finish_reason is the engine's, or what a caller that stopped
         early set)."""
         eng = self.engine
         eng.policy = self.policy(method, ngram)
         t0 = time.perf_counter()
-        stream = eng.drive(Request(list(prompt_ids), max_new_tokens, sampling, seed, metrics=m))
+        stream = eng.drive(Request(list(prompt_ids), max_new_tokens, sampling, seed, metrics=m, grammar=grammar))
         done: Done | None = None
         yielded = 0
         try:

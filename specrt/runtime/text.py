@@ -43,15 +43,17 @@ class TextStreaming:
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
                system: str | None = None, method: str | None = None, ngram: int = 2,
-               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, structured=None) -> Iterator[Chunk]:
         """Yield text chunks as tokens are accepted; stops on EOS, a stop string, one of
         `stop_token_ids`, the token budget or the maximum context (`last_metrics.finish_reason`
         says which: "eos", "stop", "length", "max_context"). ignore_eos: EOS is a token like any
-        other (generation runs to the budget; its text is empty when it is a special token)."""
+        other (generation runs to the budget; its text is empty when it is a special token).
+        structured: the output must match it (runtime/grammar.py; engine folders with a batched model)."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
         text = TextTail(self.tokenizer, stop, stop_token_ids=check_stop_token_ids(stop_token_ids, self.vocab),
                         ignore_eos=ignore_eos)
-        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram)
+        kw = {} if structured is None else {"structured": structured, "ignore_eos": ignore_eos}
+        gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram, **kw)
         with closing(gen):
             for e in gen:
                 chunk, reason = text.push(e.token, e.from_draft)

@@ -86,7 +86,7 @@ class BatchPool:
         try:
             job.handle = self.gen.submit(list(r.prompt_ids), max_new_tokens=r.max_tokens, sampling=r.sampling,
                                          stop=list(r.stop), sink=self._sink(job), stop_token_ids=r.stop_token_ids,
-                                         ignore_eos=r.ignore_eos)
+                                         ignore_eos=r.ignore_eos, structured=r.structured)
         except OverloadedError as e:
             raise QueueFullError(str(e), code="queue_full") from None
         self.info[0].requests += 1

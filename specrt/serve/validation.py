@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from specrt.errors import SamplingParamsError, SpecrtError
+from specrt.runtime.grammar import GrammarError, Grammars, Structured
 from specrt.runtime.prompt import chat_messages, check_stop_token_ids, check_token_ids
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
@@ -34,17 +35,19 @@ _NEUTRAL = {
     "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-    "n": (None, 1), "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
+    "n": (None, 1), "min_tokens": (None, 0),
     "use_beam_search": (None, False), "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
 }
+# the ways a request asks for structured output (runtime/grammar.py): OpenAI's response_format,
+# vLLM's structured_outputs and guided_* fields, llama.cpp's json_schema and grammar; at most one
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "json_schema", "grammar")
 # what to do instead, where there is something
 _INSTEAD = {
     "n": "send n requests (with different seeds, or none) for n completions",
     "best_of": "send several requests and choose among them",
     "tools": "specrt does not parse tool calls yet: describe the tools in the messages",
     "functions": "specrt does not parse function calls yet: describe them in the messages",
-    "response_format": "specrt does not constrain output to a format yet: ask for it in the prompt",
 }
 
 
@@ -59,6 +62,7 @@ class GenerationRequest:
     include_usage: bool
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: Structured | None = None        # the output must match it (checked: its grammar compiles)
 
 
 def longest_token_bytes(tok: Tokenizer) -> int:
@@ -67,8 +71,11 @@ def longest_token_bytes(tok: Tokenizer) -> int:
 
 
 class Validator:
-    def __init__(self, tokenizer: Tokenizer, *, max_context: int, vocab: int, model_name: str):
+    def __init__(self, tokenizer: Tokenizer, *, max_context: int, vocab: int, model_name: str,
+                 grammars: Grammars | None = None):
+        """grammars: the engine folder's (structured outputs); None: such requests are a 400."""
         self.tok, self.max_context, self.vocab, self.model_name = tokenizer, max_context, vocab, model_name
+        self.grammars = grammars
         # a text of more bytes has more than max_context tokens: each token covers at most
         # `longest` bytes (+1: a decoder may drop a token's leading space when it stands alone)
         self.longest = longest_token_bytes(tokenizer) + 1
@@ -156,8 +163,53 @@ class Validator:
         with _field("stop_token_ids"):
             stop_ids = tuple(sorted(check_stop_token_ids(req.stop_token_ids or (), self.vocab)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        structured = self._structured(req)
+        if structured is not None and req.ignore_eos:
+            raise RequestError("ignore_eos with a structured output: the grammar ends the answer with EOS when it is "
+                               "complete; leave ignore_eos out", param="ignore_eos")
         return GenerationRequest(kind, tuple(ids), max_tokens, sampling, tuple(s for s in stop if s),
-                                 bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos))
+                                 bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos), structured)
+
+    def _structured(self, req) -> Structured | None:
+        """The request's structured output, if it asks for one, with its grammar compiled."""
+        extra = req.model_extra or {}
+        given = [(name, extra[name]) for name in _STRUCTURED if extra.get(name) is not None
+                 and extra[name] != {"type": "text"}]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise RequestError(f"{' and '.join(n for n, _ in given)} each ask for a structured output: send one",
+                               param=given[1][0])
+        name, value = given[0]
+        try:
+            spec = _spec(name, value)
+            if self.grammars is None:
+                raise GrammarError("this server's engine folder has no batched model, which structured outputs run "
+                                   "on: rebuild it with `specrt build ... --batch`")
+            self.grammars.compile(spec)
+        except GrammarError as e:
+            raise RequestError(f"{name}: {e}", param=name, code="invalid_value") from None
+        return spec
+
+
+def _spec(name: str, value) -> Structured:
+    """A structured-output field's value -> a Structured (GrammarError when malformed)."""
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return Structured("json_object")
+        if kind == "json_schema":
+            js = value.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
+                raise GrammarError('a json_schema response_format is {"type": "json_schema", "json_schema": '
+                                   '{"name": ..., "schema": {...}}}: the schema is missing')
+            return Structured("json_schema", js["schema"])
+        raise GrammarError(f"type {kind!r}: give 'text', 'json_object' or 'json_schema'")
+    if name == "structured_outputs":
+        return Structured.coerce(value if isinstance(value, dict) else [value])
+    kind = {"guided_json": "json_schema", "json_schema": "json_schema", "guided_regex": "regex",
+            "guided_choice": "choice", "guided_grammar": "grammar", "grammar": "grammar"}[name]
+    return Structured(kind, value)
 
 
 @contextmanager

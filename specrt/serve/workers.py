@@ -218,7 +218,7 @@ class EnginePool:
         before, n, cancelled = gen.last_metrics, 0, False
         stream = gen.stream(list(r.prompt_ids), max_new_tokens=r.max_tokens, sampling=r.sampling,
                             stop=list(r.stop), method=self.method, stop_token_ids=r.stop_token_ids,
-                            ignore_eos=r.ignore_eos)
+                            ignore_eos=r.ignore_eos, structured=r.structured)
         try:
             for chunk in stream:
                 if job.cancelled.is_set():

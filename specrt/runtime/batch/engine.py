@@ -42,6 +42,7 @@ from specrt.runtime.batch.model import BatchModel
 from specrt.runtime.batch.policy import BatchPolicy, StepChoice
 from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row
 from specrt.runtime.choice import choose, first_mismatch
+from specrt.runtime.grammar import GrammarError
 from specrt.runtime.rounds import RoundKind
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class BatchEngine:
         self._tokens = np.zeros((max_num_seqs, T), np.int64)     # [n, T] a step's token windows
         self._starts = np.zeros(max_num_seqs, np.int64)          # [n] each row's past length
         self._scratch = np.zeros(vocab, np.float32)
+        self._masked = np.zeros(vocab, np.float32)                # a row's logits under its grammar
+        self.grammars = None        # runtime/grammar.py Grammars of the folder's tokenizer (open_batch sets it)
         P = max(target.min_rows, 1)        # a prefill chunk's logit rows: its last P positions
         if draft is not None and not draft.shares_cache:
             # a draft with its own cache: its calls' token windows and logit positions
@@ -241,9 +244,13 @@ class BatchEngine:
         self.stats.prefill_chunks += 1
         if not row.prefilled:
             return
-        first = choose(logits[0, len(chunk) - 1 - lo], row.req.params, row.req.seed, len(prompt), self._scratch)
         self.pending = None
         self.rows.append(row)
+        try:
+            first = self._verify(row, logits[0, len(chunk) - 1 - lo][None], ())[1]
+        except GrammarError as e:
+            self._fail(row, e)
+            return
         self._emit(row, (), first)
 
     def _round(self) -> None:
@@ -256,6 +263,10 @@ class BatchEngine:
         proposals = choice.proposals
         if choice.kind is RoundKind.DRAFT:
             proposals = self._draft_own(choice) if self._own_draft else self._draft(choice)
+        else:
+            # a guess (prompt lookup, a pair round's) is cut where the row's grammar forbids it
+            proposals = [p[:r.req.grammar.allowed_prefix(p)] if r.req.grammar is not None and len(p) else p
+                         for r, p in zip(rows, proposals)]
         T = choice.tokens
         toks, starts = self._tokens[:n, :T], self._starts[:n]
         toks.fill(0)
@@ -267,8 +278,11 @@ class BatchEngine:
         logits = self.target.step(choice.kind.graph, toks, starts, 0, pad_start=self._pad_start())   # [n, T, V]
         for i, row in enumerate(rows):
             p = proposals[i]
-            accepted, nxt = first_mismatch(logits[i, :len(p) + 1], p, row.req.params, row.req.seed,
-                                           row.position(), self._scratch)
+            try:
+                accepted, nxt = self._verify(row, logits[i, :len(p) + 1], p)
+            except GrammarError as e:
+                self._fail(row, e)
+                continue
             if choice.kind is RoundKind.DRAFT:
                 # the draft's own cache keeps K/V of seq[:length + 1] and of the proposals it fed
                 # after the first (draft_len = length + len(p)); only the accepted ones stay valid
@@ -280,11 +294,52 @@ class BatchEngine:
             row.metrics.plain_steps += choice.kind is RoundKind.PLAIN
             self._emit(row, p[:accepted], nxt)
 
+    def _verify(self, row: Row, logits: np.ndarray, proposal) -> tuple[int, int]:
+        """(n accepted, the next token) of a row's round: logits [len(proposal) + 1, V] at
+        [last token, proposal...]. A row with a grammar chooses from the target's logits masked by
+        the grammar state after the tokens before each position (the state plain constrained
+        decoding reaches there), and its matcher consumes exactly the tokens emitted."""
+        g = row.req.grammar
+        if g is None:
+            return first_mismatch(logits, proposal, row.req.params, row.req.seed, row.position(), self._scratch)
+        k = len(proposal)
+        for j in range(k + 1):
+            y = choose(g.masked(logits[j], self._masked), row.req.params, row.req.seed, row.position() + j,
+                       self._scratch)
+            g.consume(y)            # (an EOS is not consumed: the row ends with it)
+            if j == k or int(proposal[j]) != y:
+                return j, y
+        raise AssertionError("unreachable")
+
+    def _guess(self, row: Row, logits_row: np.ndarray, j: int) -> tuple[int, bool]:
+        """A draft's choice for row's proposal j from its logits [V], and whether the proposal
+        may go on after it. A row with a grammar drafts from the masked logits and its matcher
+        advances along the guess (rolled back by _rewind_guesses before the verify pass)."""
+        g = row.req.grammar
+        if g is None:
+            return choose(logits_row, row.req.params, row.req.seed, row.position() + j, self._scratch), True
+        t = choose(g.masked(logits_row, self._masked), row.req.params, row.req.seed, row.position() + j,
+                   self._scratch)
+        return t, g.consume(t)      # after an EOS (never consumed) nothing more is proposed
+
+    def _rewind_guesses(self, rows: list[Row], before: list[int]) -> None:
+        """Roll each row's grammar back to where it was before the draft proposed."""
+        for row, n in zip(rows, before):
+            g = row.req.grammar
+            if g is not None:
+                g.rollback(g.consumed - n)
+
+    def _fail(self, row: Row, error: Exception) -> None:
+        """End one row with a typed error (Failed, not Done); the others go on."""
+        row.error, row.finish = error, "failed"
+
     def _draft(self, choice: StepChoice) -> list:
         """k steps of a shared-cache draft over all rows: its guesses go into target cache rows
         the verify pass then overwrites (row i drafts min(k, its room) tokens)."""
         rows, n, k = self.rows, len(self.rows), choice.k
         out = [np.zeros(min(k, max(r.room, 0)), np.int64) for r in rows]
+        limit = [len(o) for o in out]
+        before = [r.req.grammar.consumed if r.req.grammar is not None else 0 for r in rows]
         toks, starts = self._tokens[:n, :1], self._starts[:n]
         cur = [r.seq[-1] for r in rows]
         for j in range(k):
@@ -293,10 +348,13 @@ class BatchEngine:
                 starts[i] = row.length + j
             logits = self.draft.step("decode", toks, starts, 0, pad_start=self._pad_start())
             for i, row in enumerate(rows):
-                if j < len(out[i]):
-                    cur[i] = out[i][j] = choose(logits[i, 0], row.req.params, row.req.seed, row.position() + j,
-                                                self._scratch)
-        return out
+                if j < limit[i]:
+                    cur[i], more = self._guess(row, logits[i, 0], j)
+                    out[i][j] = cur[i]
+                    if not more:
+                        limit[i] = j + 1
+        self._rewind_guesses(rows, before)
+        return [o[:m] for o, m in zip(out, limit)]
 
     def _draft_own(self, choice: StepChoice) -> list:
         """k steps of a draft model with its own cache: first the tokens each row's draft cache
@@ -317,11 +375,15 @@ class BatchEngine:
                 r.draft_len += len(f)
         feeds = [r.seq[r.draft_len:] for r in rows]
         logits = self._feed_draft(0, feeds, [r.draft_len for r in rows], "verify", last=True)
+        limit = [len(o) for o in out]
+        before = [r.req.grammar.consumed if r.req.grammar is not None else 0 for r in rows]
         cur = [0] * n
         for i, row in enumerate(rows):
             row.draft_len = row.length + 1
-            if len(out[i]):
-                cur[i] = out[i][0] = choose(logits[i], row.req.params, row.req.seed, row.position(), self._scratch)
+            if limit[i]:
+                cur[i], more = self._guess(row, logits[i], 0)
+                out[i][0] = cur[i]
+                limit[i] = limit[i] if more else 1
         toks, starts = self._tokens[:n, :1], self._starts[:n]
         for j in range(1, k):
             for i, row in enumerate(rows):
@@ -329,11 +391,14 @@ class BatchEngine:
                 starts[i] = row.length + j
             logits = self.draft.step("decode", toks, starts, 0, pad_start=self._draft_pad_start())
             for i, row in enumerate(rows):
-                if j < len(out[i]):
-                    cur[i] = out[i][j] = choose(logits[i, 0], row.req.params, row.req.seed, row.position() + j,
-                                                self._scratch)
+                if j < limit[i]:
+                    cur[i], more = self._guess(row, logits[i, 0], j)
+                    out[i][j] = cur[i]
                     row.draft_len = row.length + 1 + j        # out[i][j - 1] is in its cache now
-        return out
+                    if not more:
+                        limit[i] = j + 1
+        self._rewind_guesses(rows, before)
+        return [o[:m] for o, m in zip(out, limit)]
 
     def _feed_draft(self, first_row: int, feeds: list, starts: list[int], graph: str, last: bool = False,
                     pad: int | None = None):
@@ -433,6 +498,9 @@ class BatchEngine:
     def _finish(self, row: Row) -> None:
         self.stats.finished += 1
         row.metrics.finish_reason = row.finish
+        if row.error is not None:
+            row.req.sink(Failed(row.error))
+            return
         row.req.sink(Done(row.finish, len(row.req.prompt), row.emitted, row.metrics))
 
     def _graph_t(self, graph: str, want: int, n: int = 1) -> int:

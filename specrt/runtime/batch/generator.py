@@ -113,12 +113,15 @@ class BatchGenerator:
                stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
                timeout: float | None = None, sink: Callable[[object], None] | None = None,
                stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-               poll_cancel: Callable[[], bool] | None = None) -> Handle:
+               poll_cancel: Callable[[], bool] | None = None, structured=None) -> Handle:
         """Queue a request. timeout: seconds from now after which it ends with reason "timeout".
         sink: receives its events on the engine thread (None: the handle's own queue).
         stop_token_ids, ignore_eos: as `SpeculativeGenerator.stream`'s.
         poll_cancel: called at every engine step while the request waits or runs; True cancels
-        it (for callers that can only ask, as Triton's `request.is_cancelled()`)."""
+        it (for callers that can only ask, as Triton's `request.is_cancelled()`).
+        structured: the output must match it (runtime/grammar.py: a Structured, or a mapping such as
+        {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}, {"grammar": "..."}); an invalid
+        one raises GrammarError here."""
         if self._closed:
             raise ConfigError("this BatchGenerator is closed")
         sampling = sampling or SamplingParams()
@@ -133,12 +136,13 @@ class BatchGenerator:
         stop_ids = stop_token_set(check_stop_token_ids(stop_token_ids, eng.vocab), ignore_eos)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need the engine's tokenizer")
+        grammar = matcher(eng.grammars, structured, ignore_eos)
         q = queue.SimpleQueue() if sink is None else None
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         deadline = None if timeout is None else eng.clock() + timeout
         guarded = None if sink is None else _GuardedSink(sink)
         req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, guarded or q.put, next(self._ids),
-                      stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel)
+                      stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel, grammar=grammar)
         if guarded is not None:
             guarded.request = req
         if not eng.add(req, self.max_queue):
@@ -277,6 +281,7 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
 
     from specrt import manifest as mf
     from specrt.runtime.backends import backend_for
+    from specrt.runtime.grammar import Grammars
     from specrt.runtime.tokenizer import Tokenizer
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or not 1 <= max_num_seqs <= 256:
         raise ConfigError(f"max_num_seqs={max_num_seqs!r}: give an integer in [1, 256]")
@@ -318,11 +323,28 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)
+    grammars = Grammars((root / man.tokenizer["file"]).read_text(encoding="utf-8"), tok.eos_token_ids,
+                        int(entry.dims["vocab"]))
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,
                          draft=draft)
+    engine.grammars = grammars
     return engine, tok
+
+
+def matcher(grammars, structured, ignore_eos: bool = False):
+    """A new request's grammar matcher (None without `structured`); GrammarError if it cannot be."""
+    from specrt.runtime.grammar import GrammarError, Structured
+    spec = Structured.coerce(structured)
+    if spec is None:
+        return None
+    if ignore_eos:
+        raise GrammarError("ignore_eos with a structured output: the grammar ends the answer with EOS when it is "
+                           "complete; leave ignore_eos out")
+    if grammars is None:
+        raise GrammarError("this engine has no tokenizer to constrain its output with: open it from an engine folder")
+    return grammars.matcher(spec)
 
 
 def check_batch_entry(entry) -> None:

@@ -56,6 +56,7 @@ class Request:
     # request.is_cancelled, which has no callback): True cancels it as cancel() does
     poll_cancel: Callable[[], bool] | None = None
     metrics: Metrics | None = None                 # the caller's, filled as the request runs (None: the row's own)
+    grammar: object | None = None                  # a runtime/grammar.py Matcher: the output must match it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -74,6 +75,7 @@ class Row:
         self.text = TextTail(tokenizer, req.stop, stop_token_ids=req.stop_token_ids,
                              ignore_eos=req.ignore_eos) if tokenizer is not None else None
         self.finish: str | None = None
+        self.error: Exception | None = None   # set (finish "failed"): the request ends with Failed, not Done
         self.metrics = req.metrics or Metrics(method="batched", k=k_max, prompt_tokens=len(req.prompt))
         self.accept = {kind: _Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer
 

@@ -141,3 +141,18 @@ class StepGate:
     def free(self) -> None:
         self._free = True
         self._permits.release()          # the step waiting now
+
+
+TOY_CHARS = "012abc[],xyz-.!"       # token i is TOY_CHARS[i]; token 15 is "</s>"
+
+
+def toy_tokenizer_json() -> str:
+    """A byte-level tokenizer.json whose 16 tokens are the toy model's vocabulary (token i is
+    TOY_CHARS[i], 15 is the special "</s>"), for grammars over the toy model (runtime/grammar.py)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(TOY_CHARS)} | {"</s>": 15}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken("</s>", special=True)])
+    return t.to_str()
