@@ -47,7 +47,7 @@ def cmd_generate(a) -> int:
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
                                methods=(method,), engine=a.engine)
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
-                            chat=not a.raw, method=method, ngram=a.lookup or 2):
+                            chat=not a.raw, method=method, ngram=a.lookup or 2, structured=_structured(a)):
         print(chunk.text, end="", flush=True)
     print()
     m = gen.last_metrics
@@ -59,6 +59,21 @@ def cmd_generate(a) -> int:
         print(f"-- stopped at the maximum context ({gen.shapes.max_context} tokens): rebuild with a larger "
               "--max-context for longer outputs", file=sys.stderr)
     return 0
+
+
+def _structured(a):
+    """--json-schema / --regex / --choice / --grammar as a runtime/grammar.py mapping (None: free text).
+    A schema or grammar given as a path is read from that file."""
+    given = {k: v for k, v in (("json_schema", a.json_schema), ("regex", a.regex), ("choice", a.choice),
+                               ("grammar", a.grammar)) if v is not None}
+    if len(given) > 1:
+        raise ConfigError(f"give one of --json-schema, --regex, --choice, --grammar (got {len(given)})")
+    if not given:
+        return None
+    kind, value = next(iter(given.items()))
+    if kind in ("json_schema", "grammar") and Path(value).is_file():
+        value = Path(value).read_text(encoding="utf-8")
+    return {kind: value}
 
 
 def _quiet_progress_bars() -> None:
@@ -294,6 +309,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="auto (default): a --batch folder runs the request on its batched model as a batch of "
                         "one, the engine its server runs (the same tokens); one-row: the folder's one-row graphs "
                         "(their answers may differ from the server's by rounding)")
+    st = g.add_argument_group("structured output (exact under speculation; folders built with --batch)")
+    st.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema (its text, or a file) the answer must match")
+    st.add_argument("--regex", help="a regular expression the whole answer must match")
+    st.add_argument("--choice", action="append", help="the answer is one of these strings (repeatable)")
+    st.add_argument("--grammar", metavar="GRAMMAR", help="a Lark or GBNF grammar (its text, or a file)")
     sampling_args(g)
     g.set_defaults(fn=cmd_generate)
 
