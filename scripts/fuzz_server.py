@@ -58,8 +58,16 @@ _SAMPLING = {
     "stop": _or_junk(text | st.lists(text, max_size=6)),
     "stream": _or_junk(st.booleans()),
     "stream_options": _or_junk(st.fixed_dictionaries({}, optional={"include_usage": _or_junk(st.booleans())})),
-    "n": _or_junk(st.integers(0, 3)), "logprobs": junk, "echo": junk, "best_of": junk, "suffix": junk,
-    "presence_penalty": junk, "frequency_penalty": junk, "logit_bias": junk, "response_format": junk,
+    "n": _or_junk(st.integers(0, 3)), "echo": junk, "best_of": junk, "suffix": junk,
+    "presence_penalty": junk, "frequency_penalty": junk, "logit_bias": junk,
+    "logprobs": _or_junk(st.integers(-1, 21) | st.booleans()), "top_logprobs": _or_junk(st.integers(-1, 21)),
+    # structured outputs (runtime/grammar.py): valid, invalid and junk specs
+    "response_format": _or_junk(st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "yaml"},
+                                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                                     "type": "object", "properties": {"a": {"type": "integer"}}}}},
+                                                 {"type": "json_schema", "json_schema": {"name": "x"}}])),
+    "guided_regex": _or_junk(st.sampled_from(["[a-z]{1,8}", "[", "(yes|no)", ""])),
+    "guided_choice": _or_junk(st.lists(text, max_size=3)), "grammar": junk, "structured_outputs": junk,
     "user": junk, "unknown_field": junk,
 }
 _PART = st.fixed_dictionaries({"type": _or_junk(st.just("text")), "text": _or_junk(text)})

@@ -36,6 +36,7 @@ from specrt.runtime.adaptive import AdaptiveK, StepCosts
 from specrt.runtime.backends import backend_for
 from specrt.runtime.batch.generator import matcher
 from specrt.runtime.grammar import GrammarError
+from specrt.runtime.logprobs import check_logprobs
 from specrt.runtime.loop import Adaptive, Emitted, FixedDraft, Lookup, Plain, decode
 from specrt.runtime.methods import METHODS, Method
 from specrt.runtime.metrics import Metrics
@@ -244,7 +245,7 @@ class SpeculativeGenerator(TextStreaming):
 
     def tokens(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams | dict | None = None,
                method: str | None = None, ngram: int = 2, adaptive: bool | None = None, structured=None,
-               ignore_eos: bool = False) -> Iterator[Emitted]:
+               ignore_eos: bool = False, logprobs: int | None = None) -> Iterator[Emitted]:
         """Yield generated tokens as they become final (EOS included; the caller stops).
         Arguments are checked here, before the first token is asked for.
         method: None (default): "speculative" when this generator loaded a draft, else "plain";
@@ -255,7 +256,9 @@ class SpeculativeGenerator(TextStreaming):
         adaptive: this call's setting (None: the instance's, see __init__).
         structured: the output must match it (runtime/grammar.py: a Structured or a mapping such as
         {"json_schema": {...}}); folders with a batched model only (`specrt build --batch`).
-        ignore_eos: only checked against `structured` here (the caller decides where to stop)."""
+        ignore_eos: only checked against `structured` here (the caller decides where to stop).
+        logprobs: None, or n in [0, 20]: each Emitted carries its TokenLogprob with the n most likely
+        alternatives (runtime/logprobs.py); folders with a batched model only."""
         sampling = SamplingParams.coerce(sampling)    # a SamplingParams, a mapping of its fields, or None
         if method is None:
             method = self.default_method
@@ -275,7 +278,10 @@ class SpeculativeGenerator(TextStreaming):
                                       f"methods including {method!r} (it has {self.methods})")
         prompt_ids = check_request(prompt_ids, max_new_tokens, self.shapes.max_context, self.vocab)
         P, C = len(prompt_ids), self.shapes.max_context
-        grammar = None
+        grammar, logprobs = None, check_logprobs(logprobs)
+        if logprobs is not None and self.one is None:
+            raise SamplingParamsError("logprobs are computed by an engine folder's batched model: rebuild the folder "
+                                      "with `specrt build ... --batch` (and open it with engine='auto')")
         if structured is not None:
             if self.one is None:
                 raise GrammarError("structured outputs run on an engine folder's batched model: rebuild the folder with "
@@ -288,10 +294,10 @@ class SpeculativeGenerator(TextStreaming):
         elif adaptive is not None:
             self._check_adaptive(adaptive, self.costs)
         return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram,
-                            adaptive, grammar)
+                            adaptive, grammar, logprobs)
 
     def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram=2,
-                adaptive=None, grammar=None) -> Iterator[Emitted]:
+                adaptive=None, grammar=None, logprobs=None) -> Iterator[Emitted]:
         if not self._busy.acquire(blocking=False):
             gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
             if not self._busy.acquire(blocking=False):
@@ -301,18 +307,18 @@ class SpeculativeGenerator(TextStreaming):
                     "stream first, or give each thread or worker its own SpeculativeGenerator")
         try:
             yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram, adaptive,
-                                           grammar)
+                                           grammar, logprobs)
         finally:
             self._busy.release()
 
     def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method: Method, ngram,
-                       adaptive, grammar=None) -> Iterator[Emitted]:
+                       adaptive, grammar=None, logprobs=None) -> Iterator[Emitted]:
         P = len(prompt_ids)
         m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
                                         prompt_tokens=P)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         if self.one is not None:
-            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram, grammar)
+            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram, grammar, logprobs)
             return
         planner = self._planner(method, ngram, adaptive)
         t_start = time.perf_counter()

@@ -37,6 +37,7 @@ __all__ = ["Emitted", "Workspace", "prefill", "decode", "Plain", "FixedDraft", "
 class Emitted:
     token: int
     from_draft: bool
+    logprob: object = None          # a TokenLogprob (batch/request.py), when the request asked for it
 
 
 @dataclass(frozen=True)

@@ -83,14 +83,15 @@ class BatchOfOne:
                            draft=full.has_draft and method is Method.SPECULATIVE, priors=full.priors)
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling, seed: int, m: Metrics, method: Method,
-               ngram: int, grammar=None) -> Iterator[Emitted]:
+               ngram: int, grammar=None, logprobs: int | None = None) -> Iterator[Emitted]:
         """Yield the request's tokens as they become final, counting them into `m` (the
         caller's last_metrics; its finish_reason is the engine's, or what a caller that stopped
         early set)."""
         eng = self.engine
         eng.policy = self.policy(method, ngram)
         t0 = time.perf_counter()
-        stream = eng.drive(Request(list(prompt_ids), max_new_tokens, sampling, seed, metrics=m, grammar=grammar))
+        stream = eng.drive(Request(list(prompt_ids), max_new_tokens, sampling, seed, metrics=m, grammar=grammar,
+                                   logprobs=logprobs))
         done: Done | None = None
         yielded = 0
         try:
@@ -98,9 +99,10 @@ class BatchOfOne:
                 if isinstance(ev, Delta):
                     if not m.time_prefill:
                         m.time_prefill = time.perf_counter() - t0
-                    for tok, from_draft in zip(ev.tokens, ev.from_draft):
+                    lps = ev.logprobs or [None] * len(ev.tokens)
+                    for tok, from_draft, lp in zip(ev.tokens, ev.from_draft, lps):
                         yielded += 1
-                        yield Emitted(tok, from_draft)
+                        yield Emitted(tok, from_draft, lp)
                 else:
                     done = ev
         finally:

@@ -24,6 +24,7 @@ class Chunk:
     text: str
     tokens: list[int]
     from_draft: list[bool]
+    logprobs: list | None = None    # TokenLogprob per token (runtime/logprobs.py), when asked for
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Completion:
     metrics: Metrics
     prompt_tokens: int = 0
     message: str = field(default="")
+    logprobs: list | None = None    # TokenLogprob per token, when asked for
 
 
 class TextStreaming:
@@ -43,21 +45,28 @@ class TextStreaming:
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
                system: str | None = None, method: str | None = None, ngram: int = 2,
-               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, structured=None) -> Iterator[Chunk]:
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, structured=None,
+               logprobs: int | None = None) -> Iterator[Chunk]:
         """Yield text chunks as tokens are accepted; stops on EOS, a stop string, one of
         `stop_token_ids`, the token budget or the maximum context (`last_metrics.finish_reason`
         says which: "eos", "stop", "length", "max_context"). ignore_eos: EOS is a token like any
         other (generation runs to the budget; its text is empty when it is a special token).
-        structured: the output must match it (runtime/grammar.py; engine folders with a batched model)."""
+        structured: the output must match it (runtime/grammar.py; engine folders with a batched model).
+        logprobs: None, or n in [0, 20]: each chunk's `logprobs` holds its tokens' log-probabilities with
+        the n most likely alternatives (runtime/logprobs.py; engine folders with a batched model)."""
         ids = self.encode_prompt(prompt, chat=chat, system=system)
         text = TextTail(self.tokenizer, stop, stop_token_ids=check_stop_token_ids(stop_token_ids, self.vocab),
                         ignore_eos=ignore_eos)
         kw = {} if structured is None else {"structured": structured, "ignore_eos": ignore_eos}
+        if logprobs is not None:
+            kw["logprobs"] = logprobs
         gen = self.tokens(ids, max_new_tokens=max_new_tokens, sampling=sampling, method=method, ngram=ngram, **kw)
         with closing(gen):
             for e in gen:
                 chunk, reason = text.push(e.token, e.from_draft)
                 if chunk is not None:
+                    if logprobs is not None:
+                        chunk.logprobs = [e.logprob] * len(chunk.tokens)
                     yield chunk
                 if reason:
                     self.last_metrics.finish_reason = reason
@@ -68,13 +77,14 @@ class TextStreaming:
 
     def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
         chunks = list(self.stream(prompt, **kw))
+        lps = None if kw.get("logprobs") is None else [lp for c in chunks for lp in (c.logprobs or ())]
         m = self.last_metrics
         msg = ""
         if m.finish_reason == "max_context":
             msg = (f"stopped at the maximum context ({self.shapes.max_context} tokens); rebuild with a larger "
                    "--max-context for longer outputs")
         return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                          m.finish_reason, m, m.prompt_tokens, msg)
+                          m.finish_reason, m, m.prompt_tokens, msg, lps)
 
 
 

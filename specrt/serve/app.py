@@ -175,16 +175,22 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
         chat = req.kind == "chat"
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         reader = _Reader(job, timeout, metrics)
+        fmt = p.LogprobFormat(token_text, chat) if req.logprobs is not None else None
         if req.stream:
-            return _JobResponse(pool, job, stream(request.url.path, job, reader, rid, created, chat),
+            return _JobResponse(pool, job, stream(request.url.path, job, reader, rid, created, chat, fmt),
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await complete(request, job, reader, rid, created, chat)
+        return await complete(request, job, reader, rid, created, chat, fmt)
 
-    async def stream(endpoint: str, job: Job, reader: _Reader, rid: str, created: int, chat: bool):
-        def chunk(text: str | None, finish: str | None) -> bytes:
+    def token_text(token: int) -> str:
+        return validator.tok.decode([token], skip_special_tokens=False)
+
+    async def stream(endpoint: str, job: Job, reader: _Reader, rid: str, created: int, chat: bool, fmt=None):
+        def chunk(text: str | None, finish: str | None, lps=None) -> bytes:
+            lp = fmt(lps) if fmt is not None and lps is not None else None
             if chat:
-                return p.sse(p.chat_chunk(rid, created, model_name, {} if text is None else {"content": text}, finish))
-            return p.sse(p.completion_body(rid, created, model_name, text or "", finish))
+                return p.sse(p.chat_chunk(rid, created, model_name, {} if text is None else {"content": text}, finish,
+                                          logprobs=lp))
+            return p.sse(p.completion_body(rid, created, model_name, text or "", finish, logprobs=lp))
 
         outcome = "cancelled"
         try:
@@ -199,8 +205,8 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     yield p.SSE_DONE
                     return
                 if isinstance(ev, Delta):
-                    if ev.text:
-                        yield chunk(ev.text, None)
+                    if ev.text or (fmt is not None and ev.logprobs):
+                        yield chunk(ev.text, None, ev.logprobs)
                 elif isinstance(ev, Failed):
                     e = ev.error
                     outcome = _outcome(e.status)
@@ -220,8 +226,8 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
             pool.cancel(job)
             metrics.count(endpoint, outcome)
 
-    async def complete(request: Request, job: Job, reader: _Reader, rid: str, created: int, chat: bool):
-        endpoint, parts, outcome = request.url.path, [], "cancelled"
+    async def complete(request: Request, job: Job, reader: _Reader, rid: str, created: int, chat: bool, fmt=None):
+        endpoint, parts, outcome, lps = request.url.path, [], "cancelled", []
         next_check = time.perf_counter() + DISCONNECT_POLL_S
         try:
             while True:
@@ -238,6 +244,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     continue
                 if isinstance(ev, Delta):
                     parts.append(ev.text)
+                    lps += ev.logprobs or ()
                 elif isinstance(ev, Failed):
                     e = ev.error
                     outcome = _outcome(e.status)
@@ -246,7 +253,8 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     outcome = "ok"
                     use, text = p.usage(ev.prompt_tokens, ev.completion_tokens), "".join(parts)
                     body = (p.chat_body if chat else p.completion_body)(
-                        rid, created, model_name, text, ev.finish_reason, use, ev.metrics)
+                        rid, created, model_name, text, ev.finish_reason, use, ev.metrics,
+                        logprobs=fmt(lps) if fmt is not None else None)
                     return JSONResponse(body)
         finally:
             pool.cancel(job)

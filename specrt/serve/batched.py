@@ -86,7 +86,7 @@ class BatchPool:
         try:
             job.handle = self.gen.submit(list(r.prompt_ids), max_new_tokens=r.max_tokens, sampling=r.sampling,
                                          stop=list(r.stop), sink=self._sink(job), stop_token_ids=r.stop_token_ids,
-                                         ignore_eos=r.ignore_eos, structured=r.structured)
+                                         ignore_eos=r.ignore_eos, structured=r.structured, logprobs=r.logprobs)
         except OverloadedError as e:
             raise QueueFullError(str(e), code="queue_full") from None
         self.info[0].requests += 1
@@ -105,7 +105,7 @@ class BatchPool:
         def sink(ev) -> None:      # on the engine thread
             if isinstance(ev, EngineDelta):
                 state["n"] += len(ev.tokens)
-                job.push(Delta(ev.text, len(ev.tokens), time.perf_counter()))
+                job.push(Delta(ev.text, len(ev.tokens), time.perf_counter(), ev.logprobs))
             elif isinstance(ev, EngineDone):
                 m = ev.metrics
                 if self.on_generation is not None:

@@ -151,30 +151,58 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish: str | None,
-                    use: dict | None = None, extra: dict | None = None) -> dict:
+                    use: dict | None = None, extra: dict | None = None, logprobs: dict | None = None) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:
         body["usage"] = use
     return body | ({"specrt": extra} if extra else {})
 
 
 def chat_body(rid: str, created: int, model: str, text: str, finish: str | None,
-              use: dict, extra: dict | None = None) -> dict:
+              use: dict, extra: dict | None = None, logprobs: dict | None = None) -> dict:
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+                         "logprobs": logprobs, "finish_reason": finish}],
             "usage": use}
     return body | ({"specrt": extra} if extra else {})
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None,
-               use: dict | None = None) -> dict:
+               use: dict | None = None, logprobs: dict | None = None) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:   # the usage-only chunk of stream_options.include_usage has no choices
         body["choices"], body["usage"] = [], use
     return body
+
+
+class LogprobFormat:
+    """Tokens' log-probabilities (runtime/logprobs.py TokenLogprob) in OpenAI's two formats:
+    chat's {"content": [{token, logprob, bytes, top_logprobs}]} and the completions endpoint's
+    {tokens, token_logprobs, top_logprobs, text_offset}; one per request (text_offset runs on
+    across a stream's chunks). A token's text is its own decoding, special tokens included."""
+
+    def __init__(self, decode, chat: bool):
+        self.decode, self.chat, self.offset = decode, chat, 0
+
+    def __call__(self, lps) -> dict:
+        if self.chat:
+            return {"content": [self._entry(lp.token, lp.logprob) | {
+                "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            text = self.decode(lp.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self.decode(t): v for t, v in lp.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
 
 def sse(obj: Any) -> bytes:

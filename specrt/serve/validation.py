@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from specrt.errors import SamplingParamsError, SpecrtError
 from specrt.runtime.grammar import GrammarError, Grammars, Structured
+from specrt.runtime.logprobs import MAX_TOP
 from specrt.runtime.prompt import chat_messages, check_stop_token_ids, check_token_ids
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
@@ -32,7 +33,7 @@ MAX_STOP_STRINGS = 4                    # OpenAI's limit
 # OpenAI (and vLLM) fields specrt cannot honour yet: accepted only at their neutral value,
 # anything else is a 400 naming the field (never dropped silently)
 _NEUTRAL = {
-    "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
     "n": (None, 1), "min_tokens": (None, 0),
@@ -63,6 +64,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     structured: Structured | None = None        # the output must match it (checked: its grammar compiles)
+    logprobs: int | None = None                 # None: none; n: each token's logprob and the n most likely
 
 
 def longest_token_bytes(tok: Tokenizer) -> int:
@@ -168,7 +170,40 @@ class Validator:
             raise RequestError("ignore_eos with a structured output: the grammar ends the answer with EOS when it is "
                                "complete; leave ignore_eos out", param="ignore_eos")
         return GenerationRequest(kind, tuple(ids), max_tokens, sampling, tuple(s for s in stop if s),
-                                 bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos), structured)
+                                 bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos), structured,
+                                 self._logprobs(req, kind))
+
+    def _logprobs(self, req, kind: str) -> int | None:
+        """How many alternatives each token's logprob comes with (None: no logprobs). Chat:
+        `logprobs` true, with `top_logprobs` 0..20; completions: `logprobs` 0..20 (OpenAI's, and
+        vLLM's limit of 20)."""
+        extra = req.model_extra or {}
+        lp, top = extra.get("logprobs"), extra.get("top_logprobs")
+        if kind == "chat":
+            if lp is not None and not isinstance(lp, bool):
+                raise RequestError(f"logprobs={_short(lp)}: give true or false (top_logprobs sets how many "
+                                   "alternatives)", param="logprobs", code="invalid_value")
+            if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP):
+                raise RequestError(f"top_logprobs={_short(top)}: give an integer in [0, {MAX_TOP}]",
+                                   param="top_logprobs", code="invalid_value")
+            if top and not lp:
+                raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+            n = (top or 0) if lp else None
+        else:
+            if top is not None:
+                raise RequestError("top_logprobs is a chat field: the completions endpoint takes logprobs=N",
+                                   param="top_logprobs", code="invalid_value")
+            if lp is False or lp is None:
+                return None
+            if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP:
+                raise RequestError(f"logprobs={_short(lp)}: give an integer in [0, {MAX_TOP}], the number of most "
+                                   "likely alternatives reported with each token", param="logprobs",
+                                   code="invalid_value")
+            n = lp
+        if n is not None and self.grammars is None:
+            raise RequestError("logprobs are computed by the engine folder's batched model, which this one lacks: "
+                               "rebuild it with `specrt build ... --batch`", param="logprobs")
+        return n
 
     def _structured(self, req) -> Structured | None:
         """The request's structured output, if it asks for one, with its grammar compiled."""

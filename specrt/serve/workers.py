@@ -42,6 +42,7 @@ class Delta:
     text: str
     tokens: int
     t: float                    # time.perf_counter() when the worker produced it
+    logprobs: tuple | None = None   # TokenLogprob per token (runtime/logprobs.py), when asked for
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ class EnginePool:
         before, n, cancelled = gen.last_metrics, 0, False
         stream = gen.stream(list(r.prompt_ids), max_new_tokens=r.max_tokens, sampling=r.sampling,
                             stop=list(r.stop), method=self.method, stop_token_ids=r.stop_token_ids,
-                            ignore_eos=r.ignore_eos, structured=r.structured)
+                            ignore_eos=r.ignore_eos, structured=r.structured, logprobs=r.logprobs)
         try:
             for chunk in stream:
                 if job.cancelled.is_set():
@@ -226,7 +227,8 @@ class EnginePool:
                     break
                 n += len(chunk.tokens)
                 if chunk.text or chunk.tokens:
-                    job.push(Delta(chunk.text, len(chunk.tokens), time.perf_counter()))
+                    job.push(Delta(chunk.text, len(chunk.tokens), time.perf_counter(),
+                                   None if chunk.logprobs is None else tuple(chunk.logprobs)))
         except SpecrtError as e:
             return Failed(RequestError(str(e)))
         except Exception:

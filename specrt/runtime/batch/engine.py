@@ -40,9 +40,10 @@ import numpy as np
 
 from specrt.runtime.batch.model import BatchModel
 from specrt.runtime.batch.policy import BatchPolicy, StepChoice
-from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row
+from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row, TokenLogprob
 from specrt.runtime.choice import choose, first_mismatch
 from specrt.runtime.grammar import GrammarError
+from specrt.runtime.logprobs import token_logprob
 from specrt.runtime.rounds import RoundKind
 
 log = logging.getLogger(__name__)
@@ -247,10 +248,12 @@ class BatchEngine:
         self.pending = None
         self.rows.append(row)
         try:
-            first = self._verify(row, logits[0, len(chunk) - 1 - lo][None], ())[1]
+            last = logits[0, len(chunk) - 1 - lo][None]
+            first = self._verify(row, last, ())[1]
         except GrammarError as e:
             self._fail(row, e)
             return
+        self._logprobs(row, last, [first])
         self._emit(row, (), first)
 
     def _round(self) -> None:
@@ -283,6 +286,7 @@ class BatchEngine:
             except GrammarError as e:
                 self._fail(row, e)
                 continue
+            self._logprobs(row, logits[i], list(p[:accepted]) + [nxt])
             if choice.kind is RoundKind.DRAFT:
                 # the draft's own cache keeps K/V of seq[:length + 1] and of the proposals it fed
                 # after the first (draft_len = length + len(p)); only the accepted ones stay valid
@@ -310,6 +314,13 @@ class BatchEngine:
             if j == k or int(proposal[j]) != y:
                 return j, y
         raise AssertionError("unreachable")
+
+    def _logprobs(self, row: Row, logits: np.ndarray, tokens: list) -> None:
+        """The round's emitted tokens' log-probabilities (a request that asked for them): token j
+        from logits[j], the position that chose it."""
+        n = row.req.logprobs
+        if n is not None:
+            row.lps = [TokenLogprob(int(t), *token_logprob(logits[j], int(t), n)) for j, t in enumerate(tokens)]
 
     def _guess(self, row: Row, logits_row: np.ndarray, j: int) -> tuple[int, bool]:
         """A draft's choice for row's proposal j from its logits [V], and whether the proposal
@@ -440,8 +451,8 @@ class BatchEngine:
     def _emit(self, row: Row, accepted, nxt: int) -> None:
         """Append the round's tokens to the row, stopping at EOS (unless ignored), a stop string,
         a stop token or the budget."""
-        text, toks, flags = [], [], []
-        for tok, from_draft in [(int(t), True) for t in accepted] + [(int(nxt), False)]:
+        text, toks, flags, lps = [], [], [], []
+        for j, (tok, from_draft) in enumerate([(int(t), True) for t in accepted] + [(int(nxt), False)]):
             row.seq.append(tok)
             row.emitted += 1
             row.metrics.tokens += 1
@@ -452,12 +463,14 @@ class BatchEngine:
                     text.append(chunk.text)
                     toks += chunk.tokens
                     flags += chunk.from_draft
+                    lps += row.lps[j:j + 1] * len(chunk.tokens)     # (a chunk holds the token pushed, or none)
             else:
                 reason = "eos" if tok in self.eos and not row.req.ignore_eos else \
                     "stop" if tok in row.req.stop_token_ids else None
                 if reason is None:
                     toks.append(tok)
                     flags.append(from_draft)
+                    lps += row.lps[j:j + 1]
             if reason is None and row.emitted >= row.budget:
                 reason = "length" if row.budget == row.req.max_new_tokens else "max_context"
                 if row.text is not None and (rest := row.text.flush()) is not None:
@@ -467,7 +480,8 @@ class BatchEngine:
                 break
         row.length = len(row.seq) - 1
         if text or toks:
-            row.req.sink(Delta("".join(text), tuple(toks), tuple(flags)))
+            row.req.sink(Delta("".join(text), tuple(toks), tuple(flags),
+                               tuple(lps) if row.req.logprobs is not None else None))
 
     def _evict(self) -> None:
         """Finished rows leave; the last running row moves into each gap, and the row being

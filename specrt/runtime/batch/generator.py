@@ -30,6 +30,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 from specrt.errors import ConfigError, ManifestError, OverloadedError, SpecrtError
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.request import Delta, Done, Failed, Request
+from specrt.runtime.logprobs import check_logprobs
 from specrt.runtime.prompt import check_request, check_stop_token_ids, encode_prompt
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.text import Chunk, Completion, _stop_strings, stop_token_set
@@ -65,15 +66,21 @@ class Handle:
     def chunks(self, timeout: float | None = None) -> Iterator[Chunk]:
         for ev in self.events(timeout):
             if isinstance(ev, Delta):
-                yield Chunk(ev.text, list(ev.tokens), list(ev.from_draft))
+                yield _chunk(ev)
 
     def result(self, timeout: float | None = None) -> Completion:
-        text, toks = [], []
+        text, toks, lps = [], [], []
         for c in self.chunks(timeout):
             text.append(c.text)
             toks += c.tokens
+            lps += c.logprobs or ()
         d = self.done
-        return Completion("".join(text), toks, d.finish_reason, d.metrics, d.prompt_tokens)
+        return Completion("".join(text), toks, d.finish_reason, d.metrics, d.prompt_tokens,
+                          logprobs=lps if self.request.logprobs is not None else None)
+
+
+def _chunk(ev: Delta) -> Chunk:
+    return Chunk(ev.text, list(ev.tokens), list(ev.from_draft), None if ev.logprobs is None else list(ev.logprobs))
 
 
 class _GuardedSink:
@@ -113,7 +120,8 @@ class BatchGenerator:
                stop: Sequence[str] = (), chat: bool = False, system: str | None = None,
                timeout: float | None = None, sink: Callable[[object], None] | None = None,
                stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-               poll_cancel: Callable[[], bool] | None = None, structured=None) -> Handle:
+               poll_cancel: Callable[[], bool] | None = None, structured=None,
+               logprobs: int | None = None) -> Handle:
         """Queue a request. timeout: seconds from now after which it ends with reason "timeout".
         sink: receives its events on the engine thread (None: the handle's own queue).
         stop_token_ids, ignore_eos: as `SpeculativeGenerator.stream`'s.
@@ -121,7 +129,9 @@ class BatchGenerator:
         it (for callers that can only ask, as Triton's `request.is_cancelled()`).
         structured: the output must match it (runtime/grammar.py: a Structured, or a mapping such as
         {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}, {"grammar": "..."}); an invalid
-        one raises GrammarError here."""
+        one raises GrammarError here.
+        logprobs: None, or n in [0, 20]: each Delta carries its tokens' log-probabilities with the n
+        most likely alternatives (runtime/logprobs.py)."""
         if self._closed:
             raise ConfigError("this BatchGenerator is closed")
         sampling = sampling or SamplingParams()
@@ -136,13 +146,14 @@ class BatchGenerator:
         stop_ids = stop_token_set(check_stop_token_ids(stop_token_ids, eng.vocab), ignore_eos)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need the engine's tokenizer")
-        grammar = matcher(eng.grammars, structured, ignore_eos)
+        grammar, logprobs = matcher(eng.grammars, structured, ignore_eos), check_logprobs(logprobs)
         q = queue.SimpleQueue() if sink is None else None
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         deadline = None if timeout is None else eng.clock() + timeout
         guarded = None if sink is None else _GuardedSink(sink)
         req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, guarded or q.put, next(self._ids),
-                      stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel, grammar=grammar)
+                      stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel, grammar=grammar,
+                      logprobs=logprobs)
         if guarded is not None:
             guarded.request = req
         if not eng.add(req, self.max_queue):
@@ -191,18 +202,20 @@ class BatchGenerator:
         """`stream` for a coroutine (see aevents)."""
         async for ev in self.aevents(prompt, **kw):
             if isinstance(ev, Delta):
-                yield Chunk(ev.text, list(ev.tokens), list(ev.from_draft))
+                yield _chunk(ev)
 
     async def agenerate(self, prompt, **kw) -> Completion:
         """`generate` for a coroutine (see aevents)."""
-        text, toks = [], []
+        text, toks, lps = [], [], []
         async for ev in self.aevents(prompt, **kw):
             if isinstance(ev, Delta):
                 text.append(ev.text)
                 toks += ev.tokens
+                lps += ev.logprobs or ()
             else:
                 done = ev
-        return Completion("".join(text), toks, done.finish_reason, done.metrics, done.prompt_tokens)
+        return Completion("".join(text), toks, done.finish_reason, done.metrics, done.prompt_tokens,
+                          logprobs=lps if kw.get("logprobs") is not None else None)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kw) -> list[Completion]:
         """Every prompt submitted at once; answers in the prompts' order."""

@@ -20,10 +20,21 @@ FINISH = ("eos", "stop", "length", "max_context", "cancelled", "timeout")
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target (its raw distribution: log_softmax of
+    the logits, before temperature, top-k/top-p/min-p and any grammar mask), and the `top` most
+    likely tokens there as (id, logprob), most likely first (runtime/logprobs.py)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     tokens: tuple[int, ...]
     from_draft: tuple[bool, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None     # one per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class Request:
     poll_cancel: Callable[[], bool] | None = None
     metrics: Metrics | None = None                 # the caller's, filled as the request runs (None: the row's own)
     grammar: object | None = None                  # a runtime/grammar.py Matcher: the output must match it
+    logprobs: int | None = None                    # None: none; n >= 0: each token's logprob and the n most likely
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -76,6 +88,7 @@ class Row:
                              ignore_eos=req.ignore_eos) if tokenizer is not None else None
         self.finish: str | None = None
         self.error: Exception | None = None   # set (finish "failed"): the request ends with Failed, not Done
+        self.lps: list = []                   # TokenLogprob of the round's tokens, in order (req.logprobs set)
         self.metrics = req.metrics or Metrics(method="batched", k=k_max, prompt_tokens=len(req.prompt))
         self.accept = {kind: _Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer
 
