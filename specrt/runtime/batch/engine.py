@@ -164,7 +164,8 @@ class BatchEngine:
     def fail_all(self, error: Exception) -> None:
         """Fail every request (the model raised): the engine cannot go on safely."""
         with self._lock:
-            reqs = [r.req for r in self.rows] + ([self.pending.req] if self.pending else []) + list(self.waiting)
+            queued = ([self.pending.req] if self.pending else []) + list(self.waiting)
+            reqs = [r.req for r in self.rows] + [r for q in queued for r in (q, *q.siblings)]   # (unforked samples)
             self.rows, self.pending = [], None
             self.waiting.clear()
         for req in reqs:
@@ -192,7 +193,8 @@ class BatchEngine:
             for req in self.waiting:
                 reason = why(req)
                 if reason:
-                    req.sink(Done(reason, len(req.prompt), 0, Row(req, 0, None, {}, 0).metrics))
+                    for r in (req, *req.siblings):      # samples not yet forked share its fate
+                        r.sink(Done(reason, len(r.prompt), 0, Row(r, 0, None, {}, 0).metrics))
                 else:
                     kept.append(req)
             self.waiting = kept
@@ -205,7 +207,8 @@ class BatchEngine:
         if self.pending is not None or len(self.rows) >= self.max_num_seqs:
             return
         with self._lock:
-            if not self.waiting:
+            # a request with siblings waits until a row is free for each of them (oldest first)
+            if not self.waiting or len(self.rows) + 1 + len(self.waiting[0].siblings) > self.max_num_seqs:
                 return
             req = self.waiting.popleft()
         budget = min(req.max_new_tokens, self.max_context - len(req.prompt))
@@ -247,14 +250,39 @@ class BatchEngine:
             return
         self.pending = None
         self.rows.append(row)
+        last = logits[0, len(chunk) - 1 - lo][None]
         try:
-            last = logits[0, len(chunk) - 1 - lo][None]
             first = self._verify(row, last, ())[1]
         except GrammarError as e:
             self._fail(row, e)
+        else:
+            self._logprobs(row, last, [first])
+            self._emit(row, (), first)
+        for sib in row.req.siblings:
+            self._fork(row, slot, sib, last)
+
+    def _fork(self, row: Row, slot: int, req: Request, last: np.ndarray) -> None:
+        """Another sample of row's prompt, just prefilled in cache row `slot`: the prompt's K/V
+        copied into the next free row (and the draft's, with its own cache), its first token
+        chosen from the same logits with its own seed and grammar."""
+        if req.cancelled.is_set():
+            req.sink(Done("cancelled", len(req.prompt), 0, Row(req, 0, None, {}, 0).metrics))
             return
-        self._logprobs(row, last, [first])
-        self._emit(row, (), first)
+        child = Row(req, row.budget, self.tokenizer, self.policy.priors, self.k_max)
+        dst = len(self.rows)
+        self.target.cache.move_row(slot, dst, row.length)      # a copy: the source row keeps its K/V
+        child.length = row.length
+        if self._own_draft:
+            self.draft.cache.move_row(slot, dst, row.draft_len)
+            child.draft_len = row.draft_len
+        self.rows.append(child)
+        try:
+            first = self._verify(child, last, ())[1]
+        except GrammarError as e:
+            self._fail(child, e)
+            return
+        self._logprobs(child, last, [first])
+        self._emit(child, (), first)
 
     def _round(self) -> None:
         rows = self.rows
@@ -510,6 +538,10 @@ class BatchEngine:
             self.draft.cache.move_row(src, dst, row.draft_len)
 
     def _finish(self, row: Row) -> None:
+        if not row.prefilled:       # left before its prompt was prefilled: its samples not yet forked too
+            for sib in row.req.siblings:
+                sib.sink(Done(row.finish if row.finish in ("cancelled", "timeout") else "cancelled",
+                              len(sib.prompt), 0, Row(sib, 0, None, {}, 0).metrics))
         self.stats.finished += 1
         row.metrics.finish_reason = row.finish
         if row.error is not None:

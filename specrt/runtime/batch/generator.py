@@ -132,6 +132,36 @@ class BatchGenerator:
         one raises GrammarError here.
         logprobs: None, or n in [0, 20]: each Delta carries its tokens' log-probabilities with the n
         most likely alternatives (runtime/logprobs.py)."""
+        return self.submit_n(prompt, 1, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat,
+                             system=system, timeout=timeout, sinks=None if sink is None else [sink],
+                             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel,
+                             structured=structured, logprobs=logprobs)[0]
+
+    def submit_n(self, prompt: str | Sequence[int], n: int, *, max_new_tokens: int = 128,
+                 sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
+                 system: str | None = None, timeout: float | None = None,
+                 sinks: Sequence[Callable[[object], None]] | None = None, stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False, poll_cancel: Callable[[], bool] | None = None, structured=None,
+                 logprobs: int | None = None) -> list[Handle]:
+        """n samples of one prompt (OpenAI's `n`), one Handle each: the prompt is prefilled once and
+        its cache row copied into a row per sample, so the request waits until n rows are free (n
+        must not exceed max_num_seqs). Sample i is exactly the single request with seed + i (a
+        seeded request), or with a seed of its own; greedy samples are all the same answer, as
+        vLLM gives them. sinks: one per sample (None: the handles' own queues). The other
+        arguments are submit's."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"n={n!r}: give an integer >= 1 (the number of samples)")
+        if n > self.engine.max_num_seqs:
+            raise ConfigError(f"n={n} samples need {n} rows at once; this engine has max_num_seqs="
+                              f"{self.engine.max_num_seqs}: ask for fewer, or open it with a larger max_num_seqs")
+        if sinks is not None and len(sinks) != n:
+            raise ConfigError(f"{len(sinks)} sinks for n={n} samples: give one per sample")
+        return self._submit(prompt, n, max_new_tokens, sampling, stop, chat, system, timeout, sinks, stop_token_ids,
+                            ignore_eos, poll_cancel, structured, logprobs)
+
+    def _submit(self, prompt, n, max_new_tokens, sampling, stop, chat, system, timeout, sinks, stop_token_ids,
+                ignore_eos, poll_cancel, structured, logprobs) -> list[Handle]:
+        """submit_n's work: checks, then the n Requests (the first carries the others)."""
         if self._closed:
             raise ConfigError("this BatchGenerator is closed")
         sampling = sampling or SamplingParams()
@@ -146,22 +176,27 @@ class BatchGenerator:
         stop_ids = stop_token_set(check_stop_token_ids(stop_token_ids, eng.vocab), ignore_eos)
         if stops and self.tokenizer is None:
             raise ConfigError("stop strings need the engine's tokenizer")
-        grammar, logprobs = matcher(eng.grammars, structured, ignore_eos), check_logprobs(logprobs)
-        q = queue.SimpleQueue() if sink is None else None
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        logprobs = check_logprobs(logprobs)
         deadline = None if timeout is None else eng.clock() + timeout
-        guarded = None if sink is None else _GuardedSink(sink)
-        req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, guarded or q.put, next(self._ids),
-                      stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel, grammar=grammar,
-                      logprobs=logprobs)
-        if guarded is not None:
-            guarded.request = req
-        if not eng.add(req, self.max_queue):
+        reqs, handles = [], []
+        for i in range(n):
+            seed = sampling.seed + i if sampling.seed is not None else secrets.randbits(63)
+            q = queue.SimpleQueue() if sinks is None else None
+            guarded = None if sinks is None else _GuardedSink(sinks[i])
+            req = Request(ids, max_new_tokens, sampling, seed, stops, deadline, guarded or q.put, next(self._ids),
+                          stop_token_ids=stop_ids, ignore_eos=ignore_eos, poll_cancel=poll_cancel,
+                          grammar=matcher(eng.grammars, structured, ignore_eos), logprobs=logprobs)
+            if guarded is not None:
+                guarded.request = req
+            reqs.append(req)
+            handles.append(Handle(req, q))
+        reqs[0].siblings = tuple(reqs[1:])        # forked from the first one's prefilled prompt
+        if not eng.add(reqs[0], self.max_queue):
             raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
                                  "retry later, or raise max_queue / max_num_seqs")
         with self._wake:
             self._wake.notify()
-        return Handle(req, q)
+        return handles
 
     def stream(self, prompt, **kw) -> Iterator[Chunk]:
         h = self.submit(prompt, **kw)
@@ -216,6 +251,10 @@ class BatchGenerator:
                 done = ev
         return Completion("".join(text), toks, done.finish_reason, done.metrics, done.prompt_tokens,
                           logprobs=lps if kw.get("logprobs") is not None else None)
+
+    def generate_n(self, prompt, n: int, **kw) -> list[Completion]:
+        """n samples of one prompt sharing its prefill (see submit_n), in sample order."""
+        return [h.result() for h in self.submit_n(prompt, n, **kw)]
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kw) -> list[Completion]:
         """Every prompt submitted at once; answers in the prompts' order."""

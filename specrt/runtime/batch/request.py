@@ -69,6 +69,9 @@ class Request:
     metrics: Metrics | None = None                 # the caller's, filled as the request runs (None: the row's own)
     grammar: object | None = None                  # a runtime/grammar.py Matcher: the output must match it
     logprobs: int | None = None                    # None: none; n >= 0: each token's logprob and the n most likely
+    # more samples of the same prompt: each takes a row of its own after this request's prompt is
+    # prefilled (its cache row copied: one prompt pass for all), with its own seed, sink and grammar
+    siblings: tuple["Request", ...] = ()
 
     def cancel(self) -> None:
         self.cancelled.set()
