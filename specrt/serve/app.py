@@ -175,7 +175,8 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
         chat = req.kind == "chat"
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         reader = _Reader(job, timeout, metrics)
-        fmt = p.LogprobFormat(token_text, chat) if req.logprobs is not None else None
+        # one formatter per sample (a completion's text_offset runs on across its own chunks)
+        fmt = [p.LogprobFormat(token_text, chat) for _ in range(req.n)] if req.logprobs is not None else None
         if req.stream:
             return _JobResponse(pool, job, stream(request.url.path, job, reader, rid, created, chat, fmt),
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -185,17 +186,19 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
         return validator.tok.decode([token], skip_special_tokens=False)
 
     async def stream(endpoint: str, job: Job, reader: _Reader, rid: str, created: int, chat: bool, fmt=None):
-        def chunk(text: str | None, finish: str | None, lps=None) -> bytes:
-            lp = fmt(lps) if fmt is not None and lps is not None else None
+        def chunk(text: str | None, finish: str | None, lps=None, index: int = 0) -> bytes:
+            lp = fmt[index](lps) if fmt is not None and lps is not None else None
             if chat:
                 return p.sse(p.chat_chunk(rid, created, model_name, {} if text is None else {"content": text}, finish,
-                                          logprobs=lp))
-            return p.sse(p.completion_body(rid, created, model_name, text or "", finish, logprobs=lp))
+                                          logprobs=lp, index=index))
+            return p.sse(p.completion_body(rid, created, model_name, text or "", finish, logprobs=lp, index=index))
 
-        outcome = "cancelled"
+        outcome, n, finished, completion_tokens = "cancelled", job.request.n, 0, 0
         try:
             if chat:
-                yield p.sse(p.chat_chunk(rid, created, model_name, {"role": "assistant", "content": ""}, None))
+                for i in range(n):
+                    yield p.sse(p.chat_chunk(rid, created, model_name, {"role": "assistant", "content": ""}, None,
+                                             index=i))
             while True:
                 try:
                     ev = await reader.next()
@@ -206,7 +209,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     return
                 if isinstance(ev, Delta):
                     if ev.text or (fmt is not None and ev.logprobs):
-                        yield chunk(ev.text, None, ev.logprobs)
+                        yield chunk(ev.text, None, ev.logprobs, ev.index)
                 elif isinstance(ev, Failed):
                     e = ev.error
                     outcome = _outcome(e.status)
@@ -214,10 +217,13 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     yield p.SSE_DONE
                     return
                 else:
+                    yield chunk(None, ev.finish_reason, index=ev.index)
+                    finished, completion_tokens = finished + 1, completion_tokens + ev.completion_tokens
+                    if finished < n:
+                        continue
                     outcome = "ok"
-                    yield chunk(None, ev.finish_reason)
                     if job.request.include_usage:
-                        use = p.usage(ev.prompt_tokens, ev.completion_tokens)
+                        use = p.usage(ev.prompt_tokens, completion_tokens)
                         yield p.sse(p.chat_chunk(rid, created, model_name, {}, None, use) if chat else
                                     p.completion_body(rid, created, model_name, "", None, use) | {"choices": []})
                     yield p.SSE_DONE
@@ -227,7 +233,9 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
             metrics.count(endpoint, outcome)
 
     async def complete(request: Request, job: Job, reader: _Reader, rid: str, created: int, chat: bool, fmt=None):
-        endpoint, parts, outcome, lps = request.url.path, [], "cancelled", []
+        n = job.request.n
+        endpoint, parts, outcome, lps = request.url.path, [[] for _ in range(n)], "cancelled", [[] for _ in range(n)]
+        done: dict[int, Done] = {}
         next_check = time.perf_counter() + DISCONNECT_POLL_S
         try:
             while True:
@@ -243,18 +251,23 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                 if ev is None:
                     continue
                 if isinstance(ev, Delta):
-                    parts.append(ev.text)
-                    lps += ev.logprobs or ()
+                    parts[ev.index].append(ev.text)
+                    lps[ev.index] += ev.logprobs or ()
                 elif isinstance(ev, Failed):
                     e = ev.error
                     outcome = _outcome(e.status)
                     return error(e.status, str(e), e.type, e.param, e.code)
                 else:
+                    done[ev.index] = ev
+                    if len(done) < n:
+                        continue
                     outcome = "ok"
-                    use, text = p.usage(ev.prompt_tokens, ev.completion_tokens), "".join(parts)
-                    body = (p.chat_body if chat else p.completion_body)(
-                        rid, created, model_name, text, ev.finish_reason, use, ev.metrics,
-                        logprobs=fmt(lps) if fmt is not None else None)
+                    use = p.usage(ev.prompt_tokens, sum(d.completion_tokens for d in done.values()))
+                    bodies = [(p.chat_body if chat else p.completion_body)(
+                        rid, created, model_name, "".join(parts[i]), done[i].finish_reason, use, done[0].metrics,
+                        logprobs=fmt[i](lps[i]) if fmt is not None else None) for i in range(n)]
+                    body = bodies[0]
+                    body["choices"] = [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)]
                     return JSONResponse(body)
         finally:
             pool.cancel(job)

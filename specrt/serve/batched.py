@@ -84,9 +84,11 @@ class BatchPool:
                 "or --queue-size", code="queue_full")
         r = job.request
         try:
-            job.handle = self.gen.submit(list(r.prompt_ids), max_new_tokens=r.max_tokens, sampling=r.sampling,
-                                         stop=list(r.stop), sink=self._sink(job), stop_token_ids=r.stop_token_ids,
-                                         ignore_eos=r.ignore_eos, structured=r.structured, logprobs=r.logprobs)
+            # n samples: the prompt prefilled once, a row per sample (BatchGenerator.submit_n)
+            job.handles = self.gen.submit_n(list(r.prompt_ids), r.n, max_new_tokens=r.max_tokens, sampling=r.sampling,
+                                            stop=list(r.stop), sinks=[self._sink(job, i) for i in range(r.n)],
+                                            stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos,
+                                            structured=r.structured, logprobs=r.logprobs)
         except OverloadedError as e:
             raise QueueFullError(str(e), code="queue_full") from None
         self.info[0].requests += 1
@@ -94,18 +96,17 @@ class BatchPool:
     def cancel(self, job: Job) -> None:
         """Idempotent: the engine drops the request at its next step."""
         job.cancelled.set()
-        h = getattr(job, "handle", None)
-        if h is not None:
+        for h in getattr(job, "handles", ()):
             h.cancel()
 
-    def _sink(self, job: Job):
+    def _sink(self, job: Job, index: int = 0):
         r = job.request
         state = {"n": 0}
 
         def sink(ev) -> None:      # on the engine thread
             if isinstance(ev, EngineDelta):
                 state["n"] += len(ev.tokens)
-                job.push(Delta(ev.text, len(ev.tokens), time.perf_counter(), ev.logprobs))
+                job.push(Delta(ev.text, len(ev.tokens), time.perf_counter(), ev.logprobs, index))
             elif isinstance(ev, EngineDone):
                 m = ev.metrics
                 if self.on_generation is not None:
@@ -114,7 +115,7 @@ class BatchPool:
                     return          # the handler is gone or has answered already
                 job.push(Done(FINISH_REASONS.get(ev.finish_reason, "stop"), len(r.prompt_ids), state["n"], {
                     "method": "batched", "acceptance_rate": round(m.acceptance_rate, 4),
-                    "mean_acceptance_length": round(m.mean_acceptance_length, 3)}))
+                    "mean_acceptance_length": round(m.mean_acceptance_length, 3)}, index))
             elif isinstance(ev, EngineFailed):
                 e = ev.error
                 log.error("batched generation failed: %s", e)

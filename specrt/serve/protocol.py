@@ -151,9 +151,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish: str | None,
-                    use: dict | None = None, extra: dict | None = None, logprobs: dict | None = None) -> dict:
+                    use: dict | None = None, extra: dict | None = None, logprobs: dict | None = None,
+                    index: int = 0) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:
         body["usage"] = use
     return body | ({"specrt": extra} if extra else {})
@@ -169,9 +170,9 @@ def chat_body(rid: str, created: int, model: str, text: str, finish: str | None,
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None,
-               use: dict | None = None, logprobs: dict | None = None) -> dict:
+               use: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:   # the usage-only chunk of stream_options.include_usage has no choices
         body["choices"], body["usage"] = [], use
     return body

@@ -105,7 +105,7 @@ def build_app(cfg: ServeConfig, factory: Callable | None = None):
     grammars = Grammars((Path(cfg.engines) / man.tokenizer["file"]).read_text(encoding="utf-8"), tok.eos_token_ids,
                         int(man.batch.dims["vocab"])) if man.batch is not None else None
     validator = Validator(tok, max_context=man.shapes.max_context, vocab=int(man.target.dims["vocab"]),
-                          model_name=name, grammars=grammars)
+                          model_name=name, grammars=grammars, max_n=cfg.max_num_seqs or 1)
     app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,
                      max_context=man.shapes.max_context)
     return guarded(app, cfg), pool

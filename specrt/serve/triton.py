@@ -31,7 +31,9 @@ MARKER = ".specrt-triton"   # in every model folder write_triton_repo writes
 INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", False), ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
           ("temperature", "TYPE_FP32", "[ 1 ]", True), ("top_p", "TYPE_FP32", "[ 1 ]", True),
           ("seed", "TYPE_INT64", "[ 1 ]", True), ("stop", "TYPE_STRING", "[ -1 ]", True),
-          ("chat", "TYPE_BOOL", "[ 1 ]", True))
+          ("chat", "TYPE_BOOL", "[ 1 ]", True),
+          # structured output as JSON text: {"json_schema": {...}}, {"regex": "..."}, ... (runtime/grammar.py)
+          ("structured", "TYPE_STRING", "[ 1 ]", True))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("finish_reason", "TYPE_STRING", "[ 1 ]"))
 
 

@@ -65,9 +65,13 @@ def _inputs(request) -> tuple[str, dict]:
     seed = _scalar(request, "seed", None)
     sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
                               top_p=float(_scalar(request, "top_p", 1.0)), seed=None if seed is None else int(seed))
-    return prompt, {"max_new_tokens": int(_scalar(request, "max_tokens", 128)), "sampling": sampling,
-                    "stop": [_text(s) for s in stop_t.as_numpy().reshape(-1)] if stop_t is not None else [],
-                    "chat": bool(_scalar(request, "chat", False))}
+    kw = {"max_new_tokens": int(_scalar(request, "max_tokens", 128)), "sampling": sampling,
+          "stop": [_text(s) for s in stop_t.as_numpy().reshape(-1)] if stop_t is not None else [],
+          "chat": bool(_scalar(request, "chat", False))}
+    structured = _scalar(request, "structured", None)
+    if structured is not None:      # JSON text naming one structured output (runtime/grammar.py)
+        kw["structured"] = json.loads(_text(structured))
+    return prompt, kw
 
 
 def _response(text: str, finish: str = ""):

@@ -36,7 +36,7 @@ _NEUTRAL = {
     "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-    "n": (None, 1), "min_tokens": (None, 0),
+    "min_tokens": (None, 0),
     "use_beam_search": (None, False), "include_stop_str_in_output": (None, False), "prompt_logprobs": (None,),
 }
 # the ways a request asks for structured output (runtime/grammar.py): OpenAI's response_format,
@@ -45,7 +45,6 @@ _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_r
                "guided_grammar", "json_schema", "grammar")
 # what to do instead, where there is something
 _INSTEAD = {
-    "n": "send n requests (with different seeds, or none) for n completions",
     "best_of": "send several requests and choose among them",
     "tools": "specrt does not parse tool calls yet: describe the tools in the messages",
     "functions": "specrt does not parse function calls yet: describe them in the messages",
@@ -65,6 +64,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     structured: Structured | None = None        # the output must match it (checked: its grammar compiles)
     logprobs: int | None = None                 # None: none; n: each token's logprob and the n most likely
+    n: int = 1                                  # samples of the prompt (OpenAI's n), one choice each
 
 
 def longest_token_bytes(tok: Tokenizer) -> int:
@@ -74,10 +74,11 @@ def longest_token_bytes(tok: Tokenizer) -> int:
 
 class Validator:
     def __init__(self, tokenizer: Tokenizer, *, max_context: int, vocab: int, model_name: str,
-                 grammars: Grammars | None = None):
-        """grammars: the engine folder's (structured outputs); None: such requests are a 400."""
+                 grammars: Grammars | None = None, max_n: int = 1):
+        """grammars: the engine folder's (structured outputs); None: such requests are a 400.
+        max_n: the most samples a request may ask for (n): the batched server's max-num-seqs."""
         self.tok, self.max_context, self.vocab, self.model_name = tokenizer, max_context, vocab, model_name
-        self.grammars = grammars
+        self.grammars, self.max_n = grammars, max_n
         # a text of more bytes has more than max_context tokens: each token covers at most
         # `longest` bytes (+1: a decoder may drop a token's leading space when it stands alone)
         self.longest = longest_token_bytes(tokenizer) + 1
@@ -130,7 +131,7 @@ class Validator:
             raise ModelNotFoundError(f"model {req.model!r} is not served here; this server serves "
                                      f"{self.model_name!r} (GET /v1/models)", param="model",
                                      code="model_not_found")
-        extra = dict(req.model_extra or {}) | {"n": req.n}
+        extra = dict(req.model_extra or {})
         for name, neutral in _NEUTRAL.items():
             if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
                 raise RequestError(f"{name}={_short(extra[name])} is not supported by specrt yet: leave it out"
@@ -171,7 +172,16 @@ class Validator:
                                "complete; leave ignore_eos out", param="ignore_eos")
         return GenerationRequest(kind, tuple(ids), max_tokens, sampling, tuple(s for s in stop if s),
                                  bool(req.stream), include_usage, stop_ids, bool(req.ignore_eos), structured,
-                                 self._logprobs(req, kind))
+                                 self._logprobs(req, kind), self._n(req))
+
+    def _n(self, req) -> int:
+        n = 1 if req.n is None else req.n
+        if n > self.max_n:
+            how = (f"this server runs at most {self.max_n} rows at once (--max-num-seqs)" if self.max_n > 1 else
+                   "n > 1 runs on the batched server: start it with --max-num-seqs N (a row per sample), or send n "
+                   "requests")
+            raise RequestError(f"n={n}: {how}", param="n", code="invalid_value")
+        return n
 
     def _logprobs(self, req, kind: str) -> int | None:
         """How many alternatives each token's logprob comes with (None: no logprobs). Chat:

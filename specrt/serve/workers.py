@@ -43,6 +43,7 @@ class Delta:
     tokens: int
     t: float                    # time.perf_counter() when the worker produced it
     logprobs: tuple | None = None   # TokenLogprob per token (runtime/logprobs.py), when asked for
+    index: int = 0                  # which of the request's n samples (OpenAI's choices[].index)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     metrics: dict = field(default_factory=dict)
+    index: int = 0                  # which of the request's n samples
 
 
 @dataclass(frozen=True)

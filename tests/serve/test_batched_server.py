@@ -40,7 +40,7 @@ class EngineProbe:
     def factory(self, engines, **kw):
         gen = open_batch(engines, **kw)
         self.tune(gen)
-        eng, step, submit = gen.engine, gen.engine.step, gen.submit
+        eng, step, submit_n = gen.engine, gen.engine.step, gen.submit_n
         self.engine = eng
 
         def gated_step():
@@ -53,16 +53,19 @@ class EngineProbe:
                 self.rows.append(len(eng.rows))
             return step()
 
-        def recorded_submit(*a, sink, **kw):
-            events = []
-            self.events.append(events)
+        def recorded_submit_n(*a, sinks, **kw):
+            recorders = []
+            for sink in sinks:            # (the server submits every request as n samples)
+                events = []
+                self.events.append(events)
 
-            def record(ev):
-                events.append(ev)
-                sink(ev)
-            return submit(*a, sink=record, **kw)
+                def record(ev, events=events, sink=sink):
+                    events.append(ev)
+                    sink(ev)
+                recorders.append(record)
+            return submit_n(*a, sinks=recorders, **kw)
 
-        eng.step, gen.submit = gated_step, recorded_submit     # (the thread looks both up at each call)
+        eng.step, gen.submit_n = gated_step, recorded_submit_n     # (the thread looks both up at each call)
         return gen
 
     def done(self, i: int = -1) -> Done | None:

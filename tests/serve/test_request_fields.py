@@ -100,7 +100,7 @@ def test_ignore_eos_generates_through_eos_up_to_max_tokens(live, reference):
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["text"] == ended.text
 
 
-REFUSED = [("n", 2), ("best_of", 3), ("echo", True), ("suffix", "!"),
+REFUSED = [("best_of", 3), ("echo", True), ("suffix", "!"),
            ("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
            ("logit_bias", {"5": 10}), ("min_tokens", 4), ("use_beam_search", True)]
 
@@ -116,7 +116,7 @@ def test_fields_specrt_cannot_honour_are_a_400_naming_them(live, field, value):
 
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("n", 3)])
+                                         ("best_of", 3)])
 def test_chat_refusals_say_what_to_do_and_no_stale_reason(live, field, value):
     r = httpx.post(live.url + "/v1/chat/completions", timeout=WAIT_S,
                    json={"model": live.model, "messages": [{"role": "user", "content": "hi"}], field: value})
@@ -152,3 +152,11 @@ def test_structured_outputs_and_logprobs_on_a_folder_without_a_batched_model_are
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and "--batch" in err["message"], err
+
+
+def test_n_above_one_on_the_one_request_server_is_a_400_naming_max_num_seqs(live):
+    r = httpx.post(live.url + "/v1/completions", timeout=WAIT_S,
+                   json={"model": live.model, "prompt": PROMPT, "max_tokens": 4, "n": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "--max-num-seqs" in err["message"], err

@@ -133,3 +133,15 @@ def test_a_one_row_engine_refuses_a_grammar_naming_the_fix(tiny_batch_rows_model
     gen = SpeculativeGenerator(tiny_batch_rows_model_engines, engine="one-row")
     with pytest.raises(GrammarError, match="--batch"):
         gen.generate("hi", structured={"regex": "a+"})
+
+
+def test_a_grammar_that_cannot_end_within_max_tokens_ends_with_length(client, live):
+    for stream in (False, True):
+        kw = dict(model=live.model, prompt="hi", max_tokens=6, temperature=0, extra_body={"guided_regex": "(ab){50}"})
+        if stream:
+            finish = [c.choices[0].finish_reason for c in client.completions.create(stream=True, **kw)
+                      if c.choices and c.choices[0].finish_reason]
+            assert finish == ["length"]
+        else:
+            r = client.completions.create(**kw)
+            assert r.choices[0].finish_reason == "length" and r.choices[0].text == "ab" * 3

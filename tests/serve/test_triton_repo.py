@@ -382,3 +382,21 @@ def test_a_request_cancelled_while_it_waits_for_a_row_ends_before_it_gets_one(ba
     answered(running)
     assert eng.stats.prefill_chunks - chunks == 1      # the running request's prompt only
     wait_for(lambda: eng.idle(), "the engine to be idle")
+
+
+def test_a_structured_request_gets_the_constrained_answer_and_bad_json_is_invalid(batched, tiny_batch_engines):
+    """The optional `structured` input (JSON text, runtime/grammar.py) constrains the answer as
+    the Python API does; text that is not JSON is an INVALID_ARG error, the others answer."""
+    regex = r"(yes|no), [0-9]{1,3}\."
+    ref = open_batch(tiny_batch_engines, max_num_seqs=1)
+    try:
+        want = ref.generate("hello there", max_new_tokens=NEW, structured={"regex": regex}).text
+    finally:
+        ref.close()
+    model = batched(max_num_seqs=2)
+    ok = greedy("hello there", structured=np.array([json.dumps({"regex": regex}).encode()], dtype=object))
+    bad = greedy("hello there", structured=np.array([b"{regex"], dtype=object))
+    model.execute([ok, bad])
+    assert answered(ok) == want and re.fullmatch(regex, want)
+    message, code = error_of(bad)
+    assert code == fake_triton.TritonError.INVALID_ARG and "JSON" in message
