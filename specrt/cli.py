@@ -71,9 +71,17 @@ def _structured(a):
     if not given:
         return None
     kind, value = next(iter(given.items()))
-    if kind in ("json_schema", "grammar") and Path(value).is_file():
+    if kind in ("json_schema", "grammar") and _is_file(value):
         value = Path(value).read_text(encoding="utf-8")
     return {kind: value}
+
+
+def _is_file(value: str) -> bool:
+    """Does `value` name a file? (Inline text may be no path at all: a name too long, a NUL.)"""
+    try:
+        return Path(value).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _quiet_progress_bars() -> None:

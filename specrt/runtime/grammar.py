@@ -23,6 +23,7 @@ max_tokens); `strict` is always on (the schema is enforced, as vLLM does).
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -60,9 +61,15 @@ class Structured:
                     v = json.loads(v)
                 except json.JSONDecodeError as e:
                     raise GrammarError(f"the JSON schema is not JSON ({e.msg} at character {e.pos})") from None
-            if not isinstance(v, (dict, bool)):
-                raise GrammarError(f"a JSON schema is an object (or true/false), got {type(v).__name__}")
-            object.__setattr__(self, "value", json.dumps(v, separators=(",", ":")))   # (key order kept: it is the output's)
+            if v is False:
+                raise GrammarError("the JSON schema false matches nothing: give a schema an answer can match")
+            if v is True:
+                v = {}              # true: any JSON value, as the empty schema
+            if not isinstance(v, dict):
+                raise GrammarError(f"a JSON schema is an object (or true), got {type(v).__name__}")
+            text = json.dumps(v, separators=(",", ":"), ensure_ascii=False)    # (key order kept: it is the output's)
+            _unicode(text, "the JSON schema")
+            object.__setattr__(self, "value", text)
         elif k == "json_object":
             if v is not None:
                 raise GrammarError("json_object takes no value (use json_schema for a schema)")
@@ -70,9 +77,13 @@ class Structured:
             if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v \
                     or not all(isinstance(s, str) and s for s in v):
                 raise GrammarError(f"a choice is a non-empty list of non-empty strings, got {_short(v)}")
+            for s in v:
+                _unicode(s, "a choice")
             object.__setattr__(self, "value", tuple(v))
         elif not isinstance(v, str) or not v:
             raise GrammarError(f"a {k} is a non-empty string, got {_short(v)}")
+        else:
+            _unicode(v, f"the {k}")
 
     @classmethod
     def coerce(cls, obj) -> "Structured | None":
@@ -92,6 +103,12 @@ class Structured:
 
     def grammar(self) -> str:
         """The llguidance grammar text of this spec (not yet checked: `Grammars.compile` does)."""
+        try:
+            return self._grammar()
+        except ValueError as e:         # what llguidance's builders raise on what they cannot take
+            raise GrammarError(f"the {self.kind.replace('_', ' ')} cannot be used: {e}") from None
+
+    def _grammar(self) -> str:
         import llguidance as llg
         compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         if self.kind == "json_schema":
@@ -153,6 +170,11 @@ class Grammars:
 
     def matcher(self, spec: Structured) -> "Matcher":
         return Matcher(self, self.compile(spec))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a byte-level piece of a character too), special tokens
+        as their text: what OpenAI's logprobs `bytes` report."""
+        return self.tokenizer.decode_bytes([int(token)])
 
 
 class Matcher:
@@ -224,6 +246,22 @@ class Matcher:
         accepting = ok and self.m.is_accepting()
         self.m.rollback(len(toks))
         return accepting
+
+
+def _unicode(text: str, what: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which are not text: a GrammarError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GrammarError(f"{what} holds a lone UTF-16 surrogate ({text[e.start]!a} at character {e.start}), "
+                           "which is not Unicode text") from None
+
+
+@functools.lru_cache(maxsize=4)
+def grammars_for(tokenizer_json: str, eos_ids: tuple[int, ...], vocab: int) -> "Grammars":
+    """One Grammars per engine folder's tokenizer in a process: the server's validator and its
+    engine share the mask tokenizer (built once, ~0.4 s) and the compiled grammars."""
+    return Grammars(tokenizer_json, eos_ids, vocab)
 
 
 def _short(value) -> str:

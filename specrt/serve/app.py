@@ -176,7 +176,8 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         reader = _Reader(job, timeout, metrics)
         # one formatter per sample (a completion's text_offset runs on across its own chunks)
-        fmt = [p.LogprobFormat(token_text, chat) for _ in range(req.n)] if req.logprobs is not None else None
+        fmt = [p.LogprobFormat(token_text, chat, validator.grammars.token_bytes) for _ in range(req.n)] \
+            if req.logprobs is not None else None     # (logprobs are refused where grammars is None)
         if req.stream:
             return _JobResponse(pool, job, stream(request.url.path, job, reader, rid, created, chat, fmt),
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

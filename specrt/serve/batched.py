@@ -23,6 +23,7 @@ from specrt.errors import OverloadedError, SpecrtError
 from specrt.runtime.batch.request import Delta as EngineDelta
 from specrt.runtime.batch.request import Done as EngineDone
 from specrt.runtime.batch.request import Failed as EngineFailed
+from specrt.runtime.grammar import GrammarError
 from specrt.serve.errors import QueueFullError, RequestError, ServerShuttingDownError
 from specrt.serve.workers import FINISH_REASONS, Delta, Done, Failed, Job, rss_mib
 
@@ -119,6 +120,8 @@ class BatchPool:
             elif isinstance(ev, EngineFailed):
                 e = ev.error
                 log.error("batched generation failed: %s", e)
+                if isinstance(e, GrammarError):     # a request's own grammar failed: its 400, as the workers'
+                    e = RequestError(str(e))
                 job.push(Failed(e if isinstance(e, RequestError) else RequestError(
                     f"generation failed ({type(e).__name__}: {e}); see the server log", status=500,
                     type="server_error")))

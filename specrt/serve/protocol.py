@@ -182,10 +182,13 @@ class LogprobFormat:
     """Tokens' log-probabilities (runtime/logprobs.py TokenLogprob) in OpenAI's two formats:
     chat's {"content": [{token, logprob, bytes, top_logprobs}]} and the completions endpoint's
     {tokens, token_logprobs, top_logprobs, text_offset}; one per request (text_offset runs on
-    across a stream's chunks). A token's text is its own decoding, special tokens included."""
+    across a stream's chunks). A token's text is its own decoding, special tokens included; its
+    `bytes` are the bytes it stands for (`token_bytes`), so the pieces of a character split over
+    several tokens join into that character."""
 
-    def __init__(self, decode, chat: bool):
+    def __init__(self, decode, chat: bool, token_bytes=None):
         self.decode, self.chat, self.offset = decode, chat, 0
+        self.token_bytes = token_bytes or (lambda t: self.decode(t).encode("utf-8", "replace"))
 
     def __call__(self, lps) -> dict:
         if self.chat:
@@ -202,8 +205,7 @@ class LogprobFormat:
         return out
 
     def _entry(self, token: int, logprob: float) -> dict:
-        text = self.decode(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": self.decode(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
 
 
 def sse(obj: Any) -> bytes:

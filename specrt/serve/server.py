@@ -15,7 +15,7 @@ from typing import Callable
 
 from specrt import manifest as mf
 from specrt.runtime import MEMORY_MODES
-from specrt.runtime.grammar import Grammars
+from specrt.runtime.grammar import grammars_for
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.serve.errors import ServeConfigError
 from specrt.serve.metrics import ServerMetrics
@@ -102,8 +102,9 @@ def build_app(cfg: ServeConfig, factory: Callable | None = None):
                           on_generation=metrics.record_generation)
     tok = Tokenizer(Path(cfg.engines), man.tokenizer)
     # structured outputs run on the batched model (the batch of one too): none without it
-    grammars = Grammars((Path(cfg.engines) / man.tokenizer["file"]).read_text(encoding="utf-8"), tok.eos_token_ids,
-                        int(man.batch.dims["vocab"])) if man.batch is not None else None
+    grammars = grammars_for((Path(cfg.engines) / man.tokenizer["file"]).read_text(encoding="utf-8"),
+                            tuple(sorted(tok.eos_token_ids)), int(man.batch.dims["vocab"])) \
+        if man.batch is not None else None
     validator = Validator(tok, max_context=man.shapes.max_context, vocab=int(man.target.dims["vocab"]),
                           model_name=name, grammars=grammars, max_n=cfg.max_num_seqs or 1)
     app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,

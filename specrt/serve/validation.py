@@ -213,13 +213,15 @@ class Validator:
         if n is not None and self.grammars is None:
             raise RequestError("logprobs are computed by the engine folder's batched model, which this one lacks: "
                                "rebuild it with `specrt build ... --batch`", param="logprobs")
+        if n is not None:
+            self.grammars.tokenizer     # the tokens' bytes come from it: built here, off the event loop
         return n
 
     def _structured(self, req) -> Structured | None:
         """The request's structured output, if it asks for one, with its grammar compiled."""
         extra = req.model_extra or {}
         given = [(name, extra[name]) for name in _STRUCTURED if extra.get(name) is not None
-                 and extra[name] != {"type": "text"}]
+                 and not (name == "response_format" and extra[name] == {"type": "text"})]
         if not given:
             return None
         if len(given) > 1:

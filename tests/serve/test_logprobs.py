@@ -98,3 +98,24 @@ def test_a_one_row_engine_refuses_logprobs_naming_the_fix(tiny_batch_rows_model_
     gen = SpeculativeGenerator(tiny_batch_rows_model_engines, engine="one-row")
     with pytest.raises(SamplingParamsError, match="--batch"):
         gen.generate("hi", logprobs=2)
+
+
+def test_a_tokens_bytes_are_the_bytes_it_stands_for():
+    """A character split over several byte-level tokens (a byte-level BPE of the 256 bytes, as
+    GPT-2's and SmolLM2's): each token's `bytes` is its own piece, and the pieces join into the
+    character (each token's decoded text alone is U+FFFD)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from specrt.runtime.batch.request import TokenLogprob
+    from specrt.runtime.grammar import Grammars
+    from specrt.serve.protocol import LogprobFormat
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    raw = Tokenizer(models.BPE(vocab=vocab | {"</s>": len(vocab)}, merges=[]))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.add_special_tokens([AddedToken("</s>", special=True)])
+    text = raw.to_str()
+    tok, grammars = Tokenizer.from_str(text), Grammars(text, [len(vocab)], len(vocab) + 1)
+    ids = tok.encode("é😀", add_special_tokens=False).ids
+    assert len(ids) == 6 and tok.decode([ids[0]]) == "\ufffd"
+    body = LogprobFormat(lambda t: tok.decode([t]), True, grammars.token_bytes)([TokenLogprob(i, -1.0) for i in ids])
+    assert bytes(b for e in body["content"] for b in e["bytes"]) == "é😀".encode()

@@ -109,10 +109,16 @@ def test_regex_choice_and_grammar_fields_constrain_completions(client, live, fie
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "send one"),
     ({"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
-    ({"grammar": "root ::= ("}, "grammar", "grammar")])
+    ({"grammar": "root ::= ("}, "grammar", "grammar"),
+    ({"guided_json": False}, "guided_json", "matches nothing"),
+    ({"guided_json": {"type": "text"}}, "guided_json", "cannot be used"),
+    ({"guided_regex": "\ud800x"}, "guided_regex", "surrogate"),
+    ({"guided_json": {"type": "string", "pattern": "\ud800"}}, "guided_json", "surrogate"),
+    ({"guided_choice": ["a", "\udc00"]}, "guided_choice", "surrogate")])
 def test_a_bad_structured_output_request_is_a_400_naming_the_problem(live, body, param, words):
-    r = httpx.post(live.url + "/v1/completions", timeout=WAIT_S,
-                   json={"model": live.model, "prompt": "hi", "max_tokens": 4} | body)
+    # (sent as raw JSON text: its \ud800 escapes are lone surrogates once parsed)
+    r = httpx.post(live.url + "/v1/completions", timeout=WAIT_S, headers={"Content-Type": "application/json"},
+                   content=json.dumps({"model": live.model, "prompt": "hi", "max_tokens": 4} | body))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -145,3 +151,19 @@ def test_a_grammar_that_cannot_end_within_max_tokens_ends_with_length(client, li
         else:
             r = client.completions.create(**kw)
             assert r.choices[0].finish_reason == "length" and r.choices[0].text == "ab" * 3
+
+
+def test_a_true_schema_is_any_json_value(client, live):
+    text = client.completions.create(model=live.model, prompt="hi", max_tokens=NEW, temperature=0,
+                                     extra_body={"guided_json": True}).choices[0].text
+    json.loads(text)
+
+
+def test_an_inline_schema_too_long_to_be_a_path_is_read_as_a_schema():
+    import argparse
+
+    from specrt.cli import _structured
+    schema = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}})
+    assert len(schema) > 300 and "/" not in schema
+    a = argparse.Namespace(json_schema=schema, regex=None, choice=None, grammar=None)
+    assert _structured(a) == {"json_schema": schema}

@@ -90,6 +90,7 @@ class BatchEngine:
         self._scratch = np.zeros(vocab, np.float32)
         self._masked = np.zeros(vocab, np.float32)                # a row's logits under its grammar
         self.grammars = None        # runtime/grammar.py Grammars of the folder's tokenizer (open_batch sets it)
+        self._unforked: list[Request] = []       # samples of the row just prefilled, not yet in rows
         P = max(target.min_rows, 1)        # a prefill chunk's logit rows: its last P positions
         if draft is not None and not draft.shares_cache:
             # a draft with its own cache: its calls' token windows and logit positions
@@ -165,7 +166,8 @@ class BatchEngine:
         """Fail every request (the model raised): the engine cannot go on safely."""
         with self._lock:
             queued = ([self.pending.req] if self.pending else []) + list(self.waiting)
-            reqs = [r.req for r in self.rows] + [r for q in queued for r in (q, *q.siblings)]   # (unforked samples)
+            reqs = [r.req for r in self.rows] + [r for q in queued for r in (q, *q.siblings)] + self._unforked
+            self._unforked = []
             self.rows, self.pending = [], None
             self.waiting.clear()
         for req in reqs:
@@ -251,6 +253,8 @@ class BatchEngine:
         self.pending = None
         self.rows.append(row)
         last = logits[0, len(chunk) - 1 - lo][None]
+        # its samples still to fork: fail_all tells them too if this step fails before they are rows
+        self._unforked = list(row.req.siblings)
         try:
             first = self._verify(row, last, ())[1]
         except GrammarError as e:
@@ -258,8 +262,8 @@ class BatchEngine:
         else:
             self._logprobs(row, last, [first])
             self._emit(row, (), first)
-        for sib in row.req.siblings:
-            self._fork(row, slot, sib, last)
+        while self._unforked:
+            self._fork(row, slot, self._unforked.pop(0), last)
 
     def _fork(self, row: Row, slot: int, req: Request, last: np.ndarray) -> None:
         """Another sample of row's prompt, just prefilled in cache row `slot`: the prompt's K/V
@@ -309,6 +313,8 @@ class BatchEngine:
         logits = self.target.step(choice.kind.graph, toks, starts, 0, pad_start=self._pad_start())   # [n, T, V]
         for i, row in enumerate(rows):
             p = proposals[i]
+            if row.error is not None:        # failed while its draft guessed: it leaves at the end of the step
+                continue
             try:
                 accepted, nxt = self._verify(row, logits[i, :len(p) + 1], p)
             except GrammarError as e:
@@ -357,16 +363,25 @@ class BatchEngine:
         g = row.req.grammar
         if g is None:
             return choose(logits_row, row.req.params, row.req.seed, row.position() + j, self._scratch), True
-        t = choose(g.masked(logits_row, self._masked), row.req.params, row.req.seed, row.position() + j,
-                   self._scratch)
+        if row.error is not None:
+            return 0, False
+        try:
+            t = choose(g.masked(logits_row, self._masked), row.req.params, row.req.seed, row.position() + j,
+                       self._scratch)
+        except GrammarError as e:   # this row fails (its verify does not run); the others go on
+            self._fail(row, e)
+            return 0, False
         return t, g.consume(t)      # after an EOS (never consumed) nothing more is proposed
 
     def _rewind_guesses(self, rows: list[Row], before: list[int]) -> None:
         """Roll each row's grammar back to where it was before the draft proposed."""
         for row, n in zip(rows, before):
             g = row.req.grammar
-            if g is not None:
-                g.rollback(g.consumed - n)
+            if g is not None and row.error is None:
+                try:
+                    g.rollback(g.consumed - n)
+                except GrammarError as e:
+                    self._fail(row, e)
 
     def _fail(self, row: Row, error: Exception) -> None:
         """End one row with a typed error (Failed, not Done); the others go on."""

@@ -333,7 +333,7 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
 
     from specrt import manifest as mf
     from specrt.runtime.backends import backend_for
-    from specrt.runtime.grammar import Grammars
+    from specrt.runtime.grammar import grammars_for
     from specrt.runtime.tokenizer import Tokenizer
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or not 1 <= max_num_seqs <= 256:
         raise ConfigError(f"max_num_seqs={max_num_seqs!r}: give an integer in [1, 256]")
@@ -375,8 +375,8 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     if check is not None:
         check.result()
     tok = Tokenizer(root, man.tokenizer)
-    grammars = Grammars((root / man.tokenizer["file"]).read_text(encoding="utf-8"), tok.eos_token_ids,
-                        int(entry.dims["vocab"]))
+    grammars = grammars_for((root / man.tokenizer["file"]).read_text(encoding="utf-8"),
+                            tuple(sorted(tok.eos_token_ids)), int(entry.dims["vocab"]))
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,

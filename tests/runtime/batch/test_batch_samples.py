@@ -114,3 +114,19 @@ def test_submit_n_checks_n_and_gives_one_handle_per_sample():
         outs = g.generate_n([1, 2, 3], 3, max_new_tokens=10, sampling=SamplingParams(temperature=1.0, seed=5))
     for i, c in enumerate(outs):
         assert c.tokens == reference(target, [1, 2, 3], 10, SamplingParams(temperature=1.0), 5 + i)[0]
+
+
+def test_a_step_that_fails_while_samples_are_forked_fails_every_sample():
+    """The model's logits at the prompt's end are NaN (a broken model): the step raises while the
+    first sample's token is chosen, before the others are rows. Every sample gets its Failed (none
+    waits for ever), and the engine goes on serving."""
+    eng, target = make_engine(rows=3, tokenizer=FakeTokenizer(EOS), draft=False)
+    real = target.logits
+    bad = [5, 5, 5]
+    target.logits = lambda prefix: real(prefix) * (float("nan") if list(prefix) == bad else 1.0)
+    with BatchGenerator(eng) as g:
+        handles = g.submit_n(bad, 3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=1))
+        for h in handles:
+            with pytest.raises(Exception, match="internal error"):
+                h.result(timeout=30)
+        assert g.generate([1, 2, 3], max_new_tokens=4).tokens == reference(target, [1, 2, 3], 4)[0]
