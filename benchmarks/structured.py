@@ -8,8 +8,9 @@
    sampled, and checks each answer against its schema or expression;
 2. runs the same requests in-process on the folder's batched engine with speculation off
    (`open_batch(speculate=False)`) and prints whether every answer is the same;
-3. times, in one interleaved run, the same prompts unconstrained and constrained through
-   `open_batch` (speculation on), and the grammar mask per call (runtime/grammar.py).
+3. times, in one interleaved run, the same prompts unconstrained with speculation, constrained
+   with speculation and constrained on plain steps (`open_batch(speculate=False)`: the same
+   tokens, so their ratio is speculation's gain under a grammar), and the grammar mask per call.
 Prints a table; exits non-zero if an answer does not match its schema or differs.
 """
 from __future__ import annotations
@@ -116,17 +117,25 @@ def main() -> int:
             spent[0] += time.perf_counter() - t0
             calls[0] += 1
     gr.Matcher.allowed = timed
-    tot = {"free": [0.0, 0], "constrained": [0.0, 0]}
-    with open_batch(args.engines, max_num_seqs=1) as g:
+    arms = {"free, speculating": (True, False), "constrained, speculating": (True, True),
+            "constrained, plain steps": (False, True)}
+    tot = {name: [0.0, 0, []] for name in arms}
+    with open_batch(args.engines, max_num_seqs=1) as spec, open_batch(args.engines, max_num_seqs=1,
+                                                                       speculate=False) as plain:
         for _ in range(2):
             for prompt, _f, _v, _c, structured in requests():
-                for name, st in (("free", None), ("constrained", structured)):
+                for name, (speculate, constrained) in arms.items():     # interleaved, prompt by prompt
+                    g = spec if speculate else plain
                     t0 = time.perf_counter()
-                    c = g.generate(prompt, chat=True, max_new_tokens=NEW, structured=st)
+                    c = g.generate(prompt, chat=True, max_new_tokens=NEW, structured=structured if constrained else None)
                     tot[name][0] += time.perf_counter() - t0
                     tot[name][1] += len(c.tokens)
-    for name, (s, n) in tot.items():
-        print(f"{name:12} {n} tokens in {s:.2f} s: {n / s:.1f} tok/s (prompt included)")
+                    tot[name][2].append(c.tokens)
+    for name, (s, n, _) in tot.items():
+        print(f"{name:26} {n} tokens in {s:.2f} s: {n / s:.1f} tok/s (prompt included)")
+    a, b = tot["constrained, speculating"], tot["constrained, plain steps"]
+    print(f"constrained: speculating / plain steps = x{(a[1] / a[0]) / (b[1] / b[0]):.2f} "
+          f"(the same tokens: {a[2] == b[2]})")
     print(f"grammar mask: {calls[0]} calls, {1e6 * spent[0] / max(calls[0], 1):.0f} us per call")
     print("FAIL" if bad else "all answers valid and equal without speculation")
     return 1 if bad else 0
