@@ -255,13 +255,7 @@ class BatchEngine:
         last = logits[0, len(chunk) - 1 - lo][None]
         # its samples still to fork: fail_all tells them too if this step fails before they are rows
         self._unforked = list(row.req.siblings)
-        try:
-            first = self._verify(row, last, ())[1]
-        except GrammarError as e:
-            self._fail(row, e)
-        else:
-            self._logprobs(row, last, [first])
-            self._emit(row, (), first)
+        self._first_token(row, last)
         while self._unforked:
             self._fork(row, slot, self._unforked.pop(0), last)
 
@@ -280,13 +274,17 @@ class BatchEngine:
             self.draft.cache.move_row(slot, dst, row.draft_len)
             child.draft_len = row.draft_len
         self.rows.append(child)
+        self._first_token(child, last)
+
+    def _first_token(self, row: Row, last: np.ndarray) -> None:
+        """A row's first token, from the logits [1, V] at its prompt's last position."""
         try:
-            first = self._verify(child, last, ())[1]
+            first = self._verify(row, last, ())[1]
         except GrammarError as e:
-            self._fail(child, e)
+            self._fail(row, e)
             return
-        self._logprobs(child, last, [first])
-        self._emit(child, (), first)
+        self._logprobs(row, last, [first])
+        self._emit(row, (), first)
 
     def _round(self) -> None:
         rows = self.rows

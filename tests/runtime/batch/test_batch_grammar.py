@@ -46,13 +46,14 @@ def constrained_reference(lm, prompt, n, params, seed, spec):
     return out, "length"
 
 
-def run(eng, requests):
-    """Submit (prompt, n, params, seed, spec) requests a few steps apart; drain; their Collects."""
+def run(eng, requests, collect=Collect):
+    """Submit (prompt, n, params, seed, spec[, Request keywords]) requests a few steps apart;
+    drain; their collectors."""
     outs = []
-    for i, (prompt, n, params, seed, spec) in enumerate(requests):
-        c = Collect()
+    for i, (prompt, n, params, seed, spec, *kw) in enumerate(requests):
+        c = collect()
         eng.add(Request(list(prompt), n, params, seed, sink=c,
-                        grammar=GRAMMARS.matcher(spec) if spec is not None else None))
+                        grammar=GRAMMARS.matcher(spec) if spec is not None else None, **(kw[0] if kw else {})))
         outs.append(c)
         for _ in range(i % 3):
             eng.step()

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from fake_batch import FakeTokenizer
 from test_batch_engine import EOS, Collect, make_engine
-from test_batch_grammar import GRAMMARS, PROMPTS, SPECS
+from test_batch_grammar import PROMPTS, SPECS
+from test_batch_grammar import run as grammar_run
 
 from specrt.errors import SamplingParamsError
-from specrt.runtime.batch.request import Delta, Request
+from specrt.runtime.batch.request import Delta
 from specrt.runtime.logprobs import check_logprobs, token_logprob
 from specrt.runtime.sampling import SamplingParams
 
@@ -37,19 +38,9 @@ class CollectLogprobs(Collect):
 
 
 def run(eng, requests):
-    outs = []
-    for i, (prompt, n, params, seed, spec, top, kw) in enumerate(requests):
-        c = CollectLogprobs()
-        eng.add(Request(list(prompt), n, params, seed, sink=c, logprobs=top,
-                        grammar=GRAMMARS.matcher(spec) if spec is not None else None, **kw))
-        outs.append(c)
-        for _ in range(i % 3):
-            eng.step()
-    for _ in range(5000):
-        if not eng.step() and eng.idle():
-            break
-    assert eng.idle()
-    return outs
+    """(prompt, n, params, seed, spec, top logprobs, Request keywords) requests, as the grammar tests run them."""
+    return grammar_run(eng, [(p, n, params, seed, spec, {"logprobs": top} | kw)
+                             for p, n, params, seed, spec, top, kw in requests], CollectLogprobs)
 
 
 @pytest.mark.parametrize("proposer", ["plain", "lookup", "draft", "own-draft"])
