@@ -1,7 +1,7 @@
 """A/B: the same engines driven by two checkouts of specrt, interleaved in one run.
 
     python benchmarks/ab_checkouts.py OLD_CHECKOUT NEW_CHECKOUT ENGINES [--prompts 8 --max-new-tokens 128]
-                                      [--temperature 0.8]
+                                      [--temperature 0.8] [--engine one-row]
 
 Each checkout runs in its own long-lived worker process (PYTHONPATH points at it; load
 time excluded); prompts alternate A,B / B,A so drift on a shared machine hits both.
@@ -10,7 +10,8 @@ checkout, their ratio, and whether the two produced identical tokens. --temperat
 samples (prompt i with seed i, the same in both checkouts): a change of the accept rule
 changes the tokens, so "identical" is then expected to say NO, and the acceptance column
 shows what the rule costs or gains. Used to show a refactor changed neither speed nor
-output (e.g. `git archive <rev> | tar -x -C /tmp/old`).
+output (e.g. `git archive <rev> | tar -x -C /tmp/old`). --engine one-row: both checkouts run
+the folder's one-row graphs (SpeculativeGenerator(engine="one-row")), not its batched model.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ WORKER = r"""
 import json, sys, time
 import specrt
 from specrt.runtime import SpeculativeGenerator
-gen = SpeculativeGenerator(sys.argv[1])
+gen = SpeculativeGenerator(sys.argv[1], **({"engine": sys.argv[2]} if sys.argv[2] != "auto" else {}))
 print(json.dumps({"ready": specrt.__file__}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -39,9 +40,9 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, checkout: Path, engines: str):
+    def __init__(self, checkout: Path, engines: str, engine: str = "auto"):
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        self.p = subprocess.Popen([sys.executable, "-c", WORKER, engines], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, "-c", WORKER, engines, engine], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
         ready = json.loads(self.p.stdout.readline())
         if not ready["ready"].startswith(str(checkout)):
@@ -65,11 +66,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sample, prompt i with seed i")
+    ap.add_argument("--engine", choices=("auto", "one-row"), default="auto",
+                    help="SpeculativeGenerator's engine= in both checkouts (one-row: the folder's one-row graphs)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(a.new))
     from specrt.prompts import PROMPTS
     engines = str(Path(a.engines).resolve())
-    workers = {"old": Worker(a.old.resolve(), engines), "new": Worker(a.new.resolve(), engines)}
+    workers = {"old": Worker(a.old.resolve(), engines, a.engine), "new": Worker(a.new.resolve(), engines, a.engine)}
     texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
     for w in workers.values():                       # warm-up
         w.run(texts[0], 8, "plain"), w.run(texts[0], 8, "speculative")

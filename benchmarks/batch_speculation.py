@@ -45,8 +45,8 @@ class One:
     def __init__(self, engines):
         from specrt.runtime.generator import SpeculativeGenerator
         self.gen = SpeculativeGenerator(engines)
-        if self.gen.one is None:
-            raise SystemExit(f"{engines}: SpeculativeGenerator runs its one-row graphs here (no batch of one): "
+        if self.gen.target is not None:
+            raise SystemExit(f"{engines}: SpeculativeGenerator runs its one-row graphs here (no batched model): "
                              "give a folder built with --batch")
         self.engine = self.gen.one.engine
 

@@ -153,9 +153,9 @@ def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], 
 
     from specrt.builder.gates.precision import FP16_ATOL, FP16_RTOL
     from specrt.runtime import SpeculativeGenerator
-    from specrt.runtime.loop import prefill
+    from specrt.runtime.batch.one_row import prefill
 
-    ref_gen = SpeculativeGenerator(cpu)
+    ref_gen = SpeculativeGenerator(cpu, engine="one-row")   # its one-row graphs: stepped directly below
     gen = SpeculativeGenerator(engines, backend_options=options)
     prompts = [prompt, prompt[::-1], prompt[:7] * 3]
     detail, status, tps = [], "PASS", {"plain": [], "lookup": []}

@@ -213,7 +213,7 @@ def load(directory: str | Path) -> Manifest:
     for role, m in man.models.items():
         for g, e in m.graphs.items():
             # a quantized target's decode graph may run 2 rows (builder/gates/rows.py): one
-            # padding row in a plain step, a guessed token in a pair round (runtime/loop.py)
+            # padding row in a plain step, a guessed token in a pair round (runtime/batch/engine.py)
             wide_decode = role == "target" and g == "decode" and e.tokens == DECODE_PAIR_ROWS
             if g in window and e.tokens != window[g] and not wide_decode and not e.dynamic_tokens:
                 raise ManifestError(f"{path}: the {role} {g} graph has T={e.tokens} but shapes imply T={window[g]} "

@@ -200,7 +200,7 @@ def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir
     their agreement with the fp32 export measured on real prompts. With int8 compute the
     decode graph is exported for 2 rows (builder/gates/rows.py): a plain step pads one row, so
     plain decoding runs the verify pass's kernels and rounds exactly as it does, and a pair
-    round verifies one guessed token in that row at no extra cost (runtime/loop.py)."""
+    round verifies one guessed token in that row at no extra cost (runtime/batch/engine.py)."""
     from specrt.builder.gates import identity, rows
     from specrt.calibration import quantize
     from specrt.export import onnx_export

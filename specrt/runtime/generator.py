@@ -16,8 +16,6 @@ from __future__ import annotations
 import gc
 import secrets
 import threading
-import time
-from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -28,23 +26,18 @@ from specrt.errors import (
     ConcurrentUseError,
     ConfigError,
     GraphFileError,
-    ManifestError,
     SamplingParamsError,
     TokenizerMismatchError,
 )
-from specrt.runtime.adaptive import AdaptiveK, StepCosts
 from specrt.runtime.backends import backend_for
 from specrt.runtime.batch.generator import matcher
-from specrt.runtime.grammar import GrammarError
+from specrt.runtime.batch.one_row import draft_prior, one_row_engine, open_one_row
+from specrt.runtime.costs import StepCosts
 from specrt.runtime.logprobs import check_logprobs
-from specrt.runtime.loop import Adaptive, Emitted, FixedDraft, Lookup, Plain, decode
 from specrt.runtime.methods import METHODS, Method
 from specrt.runtime.metrics import Metrics
-from specrt.runtime.ngrams import NgramTable
-from specrt.runtime.one import BatchOfOne, one_engine
+from specrt.runtime.one import BatchOfOne, Emitted, one_engine
 from specrt.runtime.prompt import check_request, encode_prompt
-from specrt.runtime.proposers import Chain, DraftModel, OneGram, PromptLookup, TableGuess
-from specrt.runtime.rounds import Workspace, prefill
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.text import Chunk, Completion, TextStreaming
 from specrt.runtime.tokenizer import Tokenizer
@@ -61,26 +54,29 @@ class SpeculativeGenerator(TextStreaming):
 
         backend_options: passed to the backend that opens the models, e.g. {"cuda_graphs": False}
         for ort-cuda / tensorrt (CUDA-graph replay off); ort-cpu takes none.
-        adaptive: choose each round's draft length from the acceptance so far and the step
-        costs the build measured, falling back to plain steps when speculation does not pay
-        (runtime/adaptive.py). None (default): on when the manifest has those costs, the
-        target's one-token graph is loaded and `k` is not given (an explicit k is fixed).
+        adaptive: choose each round (a plain step, the draft's k tokens, prompt lookup's guess, a
+        pair round) by the step costs the build measured and each proposer's acceptance so far
+        (runtime/batch/policy.py). None (default): on when the manifest has those costs and, on
+        one-row graphs, `k` is not given (an explicit k is fixed there). False: fixed-k rounds
+        (one-row graphs only: a batched model always chooses by cost).
 
-        methods: which decoding methods to make ready (default: all the build supports);
-        a service that only speculates passes ("speculative",) and never loads the
-        target's one-token graph (one session, one packed copy of the weights less).
+        methods: which decoding methods to make ready (default: all the build supports); on
+        one-row graphs a service that only speculates passes ("speculative",) and never loads the
+        target's one-token graph (one session, one packed copy of the weights less; every round
+        then drafts k), and one that never speculates passes ("plain",) and loads no draft.
         memory: "fast" or "shared", see runtime/backends/ort_cpu.py.
         verify: "full" (default) checks the sha256 of every file against the manifest while
         the sessions load (~0.6 s of one core for the default engines, mostly hidden);
         "none" checks only that the files exist and the weights have their size.
         profile_dir: record ONNX Runtime's per-operator profile into this folder (slows every
         step; `specrt profile` uses it; end it with `end_profiling()`).
-        engine: "auto" (default): a folder with a batched model (`specrt build --batch`) runs every
-        request on it as a batch of one (runtime/one.py), the engine its server runs, so both give
-        the same tokens (speculating as far as the batched model can: not at all with
-        `--batch-attention gqa`); a folder without one runs its one-row graphs. "one-row": the
-        one-row graphs in any case (what `specrt bench` times; their answers may differ from the
-        batched server's)."""
+        engine: every request runs on the batched engine (runtime/batch/engine.py) as a batch of
+        one (runtime/one.py). "auto" (default): over the folder's batched model when it has one
+        (`specrt build --batch`), the model its server runs, so both give the same tokens
+        (speculating as far as the batched model can: not at all with `--batch-attention gqa`);
+        over its one-row graphs otherwise (batch/one_row.py). "one-row": over the one-row graphs
+        in any case (what `specrt bench` and `specrt profile` time; on a `--batch` folder their
+        answers may differ from the batched server's)."""
         if verify not in mf.VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -125,9 +121,19 @@ class SpeculativeGenerator(TextStreaming):
                                       "(`specrt build ... --draft int8`)")
         if man.draft is not None and "speculative" in self.methods:
             _check_same_vocab(man)
+        if adaptive not in (None, True, False):
+            raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
         check = mf.HashCheck(man, self.root) if verify == "full" else None
+        extra = dict(backend_options or {})
+        if profile_dir:
+            extra["profile_dir"] = Path(profile_dir)
         try:
-            self._load(man, threads, memory, profile_dir, dict(backend_options or {}))
+            self.tokenizer = Tokenizer(self.root, man.tokenizer)
+            graphs = ("prefill",) + tuple(g for g in ("decode", "verify")
+                                          if any(g in m.target_graphs for m in self.methods))
+            self.target, self.draft = open_one_row(self.root, man, self.backend, threads=threads, memory=memory,
+                                                   extra=extra, draft=Method.SPECULATIVE in self.methods,
+                                                   graphs=graphs)
         except (GraphFileError, BackendError):
             if check is not None:   # a damaged file explains a load failure better than ORT's message
                 try:
@@ -137,11 +143,22 @@ class SpeculativeGenerator(TextStreaming):
             raise
         if check is not None:
             check.result()
+        StepCosts.from_manifest((man.build or {}).get("speculation"))   # damaged costs: refused here
+        draft_prior(man)       # a damaged prior is a ManifestError now, not a TypeError mid-request
+        engine, fixed = one_row_engine(self.root, man, self.target, self.draft, self.tokenizer, graphs)
+        # without the one-token graph a plain step costs a verify pass: every round drafts k
+        fixed = fixed or adaptive is False or (adaptive is None and k is not None) or "decode" not in graphs
+        if adaptive is True and "decode" not in graphs:
+            raise ConfigError("adaptive=True falls back to plain decoding steps, so it needs the target's "
+                              "one-token graph: include 'plain' in methods")
+        if adaptive is True and not engine.policy.costs:
+            raise ConfigError("adaptive=True needs the step costs a build measures (manifest "
+                              "build.speculation.costs_ms), and these engines have none: rebuild them with "
+                              "this specrt, or pass adaptive=False")
+        self.one = BatchOfOne(engine, self.tokenizer, k=self.k, fixed=fixed)
         self.vocab = int(man.target.dims["vocab"])
-        self.ws = Workspace(self.k, self.vocab)
-        self.costs, self.adaptive = self._adaptive(man, adaptive, k)
-        if self.adaptive:
-            _draft_prior(man)       # a damaged prior is a ManifestError now, not a TypeError mid-request
+        self.costs = engine.policy.costs
+        self.adaptive = self.costs is not None and not fixed     # rounds chosen by measured cost
         self.last_metrics: Metrics | None = None
         self._busy = threading.Lock()   # held by the one open generation
 
@@ -159,12 +176,24 @@ class SpeculativeGenerator(TextStreaming):
             raise SamplingParamsError("these engines were built without a draft model (--draft none): pass "
                                       "methods=('plain',) or ('plain', 'lookup')")
         StepCosts.from_manifest((man.build or {}).get("speculation"))   # damaged one-row costs: refused here too
-        self.one = BatchOfOne(self.root, threads=threads, verify=verify, k=self.k)
+        self.one = BatchOfOne.open(self.root, threads=threads, verify=verify, k=self.k)
         self.tokenizer, self.vocab = self.one.tokenizer, int(man.batch.dims["vocab"])
-        self.target = self.draft = self.drafter = None
-        self.target_graphs, self.costs, self.adaptive = (), None, True
+        self.target = self.draft = None
+        self.costs = self.one.full.costs
+        self.adaptive = True
         self.last_metrics = None
         self._busy = threading.Lock()
+
+    @property
+    def pair(self) -> bool:
+        """Can a round carry one guessed token in the target's two-token decode step (a pair round)?"""
+        return self.one.full.has_pair and self.one.engine._graph_t("decode", 2) == 2
+
+    @property
+    def ngrams(self):
+        """The build's n-gram table the pair rounds guess from (runtime/ngrams.py), or None."""
+        chain = self.one.full.pair_guess
+        return next((p.table for p in getattr(chain, "proposers", ()) if hasattr(p, "table")), None)
 
     @property
     def default_method(self) -> Method:
@@ -173,62 +202,6 @@ class SpeculativeGenerator(TextStreaming):
         if Method.SPECULATIVE in self.methods:
             return Method.SPECULATIVE
         return Method.PLAIN if Method.PLAIN in self.methods else self.methods[0]
-
-    def _load(self, man: mf.Manifest, threads: int, memory: str, profile_dir, extra: dict) -> None:
-        if profile_dir:
-            extra["profile_dir"] = Path(profile_dir)
-        self.tokenizer = Tokenizer(self.root, man.tokenizer)
-        needed = {g for m in self.methods for g in m.target_graphs}
-        target_graphs = ("prefill",) + tuple(g for g in ("decode", "verify") if g in needed)
-        self.target_graphs = target_graphs
-        # a two-row decode graph (a quantized target's): pair rounds verify a guessed token in its second row
-        self.pair = "decode" in target_graphs and man.target.graphs["decode"].tokens >= 2
-        ngrams = (man.proposers or {}).get("ngrams")
-        self.ngrams = NgramTable.load(self.root / ngrams["file"]) if ngrams and self.pair else None
-        try:
-            self.target = self.backend.open_model(self.root, man.target, man.shapes, threads=threads, memory=memory,
-                                                  graphs=target_graphs, **extra)
-        except TypeError as e:   # an option this backend does not take
-            if "unexpected keyword" not in str(e):
-                raise
-            raise ConfigError(f"backend_options {sorted(extra)}: the {self.backend.name} backend does not take "
-                              f"them ({e})") from None
-        self.draft = self.drafter = None
-        if man.draft is not None and Method.SPECULATIVE in self.methods:
-            shared = man.draft.shares_cache_with == "target"
-            self.draft = self.backend.open_model(self.root, man.draft, man.shapes, threads=threads, memory=memory,
-                                                 cache=self.target.cache if shared else None,
-                                                 graphs=("decode",) if shared else ("prefill", "decode"), **extra)
-            self.drafter = DraftModel(self.draft, self.k, int(man.target.dims["vocab"]),
-                                      prefill_tokens=None if shared else man.draft.graphs["prefill"].tokens)
-        self._lookups: dict[int, PromptLookup] = {}
-
-    def _adaptive(self, man: mf.Manifest, adaptive: bool | None, k: int | None):
-        spec = (man.build or {}).get("speculation")
-        costs = StepCosts.from_manifest(spec)
-        if adaptive is None:
-            return costs, costs is not None and k is None and "decode" in self.target_graphs \
-                and Method.SPECULATIVE in self.methods
-        return costs, self._check_adaptive(adaptive, costs)
-
-    def _check_adaptive(self, adaptive, costs) -> bool:
-        if adaptive not in (True, False):
-            raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
-        if adaptive and costs is None:
-            raise ConfigError("adaptive=True needs the step costs a build measures (manifest "
-                              "build.speculation.costs_ms), and these engines have none: rebuild them with "
-                              "this specrt, or pass adaptive=False")
-        if adaptive and "decode" not in self.target_graphs:
-            raise ConfigError("adaptive=True falls back to plain decoding steps, so it needs the target's "
-                              "one-token graph: include 'plain' in methods")
-        return adaptive
-
-    def _policy(self) -> AdaptiveK | None:
-        """The policy of one generation under the instance's setting (None: fixed k)."""
-        return self._new_policy() if self.adaptive else None
-
-    def _new_policy(self) -> AdaptiveK:
-        return AdaptiveK(self.costs, self.k, prior=_draft_prior(self.manifest))
 
     def end_profiling(self) -> dict[str, str]:
         """Stop profiling (see profile_dir); "role/graph" -> the trace file ONNX Runtime wrote."""
@@ -255,10 +228,10 @@ class SpeculativeGenerator(TextStreaming):
         rounds where that pays better than the draft; ngram=0 turns this off.
         adaptive: this call's setting (None: the instance's, see __init__).
         structured: the output must match it (runtime/grammar.py: a Structured or a mapping such as
-        {"json_schema": {...}}); folders with a batched model only (`specrt build --batch`).
+        {"json_schema": {...}}).
         ignore_eos: only checked against `structured` here (the caller decides where to stop).
         logprobs: None, or n in [0, 20]: each Emitted carries its TokenLogprob with the n most likely
-        alternatives (runtime/logprobs.py); folders with a batched model only."""
+        alternatives (runtime/logprobs.py)."""
         sampling = SamplingParams.coerce(sampling)    # a SamplingParams, a mapping of its fields, or None
         if method is None:
             method = self.default_method
@@ -277,27 +250,25 @@ class SpeculativeGenerator(TextStreaming):
             raise SamplingParamsError(f"method={method!r} was not loaded: create the generator with "
                                       f"methods including {method!r} (it has {self.methods})")
         prompt_ids = check_request(prompt_ids, max_new_tokens, self.shapes.max_context, self.vocab)
-        P, C = len(prompt_ids), self.shapes.max_context
         grammar, logprobs = None, check_logprobs(logprobs)
-        if logprobs is not None and self.one is None:
-            raise SamplingParamsError("logprobs are computed by an engine folder's batched model: rebuild the folder "
-                                      "with `specrt build ... --batch` (and open it with engine='auto')")
         if structured is not None:
-            if self.one is None:
-                raise GrammarError("structured outputs run on an engine folder's batched model: rebuild the folder with "
-                                   "`specrt build ... --batch` (and open it with engine='auto')")
             grammar = matcher(self.one.engine.grammars, structured, ignore_eos)
-        if adaptive is not None and self.one is not None:
-            if adaptive is not True:
+        fixed = False
+        if adaptive is not None:
+            if adaptive not in (True, False):
+                raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
+            if self.target is None and adaptive is False:
                 raise ConfigError("this folder's batched engine chooses every round by measured cost: adaptive must "
                                   "be None or True (engine='one-row' runs fixed-k rounds)")
-        elif adaptive is not None:
-            self._check_adaptive(adaptive, self.costs)
-        return self._tokens(prompt_ids, min(max_new_tokens, C - P), max_new_tokens, sampling, method, ngram,
-                            adaptive, grammar, logprobs)
+            if adaptive and self.costs is None:
+                raise ConfigError("adaptive=True needs the step costs a build measures (manifest "
+                                  "build.speculation.costs_ms), and these engines have none: rebuild them with "
+                                  "this specrt, or pass adaptive=False")
+            fixed = adaptive is False
+        return self._tokens(prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs)
 
-    def _tokens(self, prompt_ids, budget, max_new_tokens, sampling, method, ngram=2,
-                adaptive=None, grammar=None, logprobs=None) -> Iterator[Emitted]:
+    def _tokens(self, prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs) \
+            -> Iterator[Emitted]:
         if not self._busy.acquire(blocking=False):
             gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
             if not self._busy.acquire(blocking=False):
@@ -306,51 +277,14 @@ class SpeculativeGenerator(TextStreaming):
                     "thread is using it); its caches hold one generation at a time: finish or close() the other "
                     "stream first, or give each thread or worker its own SpeculativeGenerator")
         try:
-            yield from self._tokens_locked(prompt_ids, budget, max_new_tokens, sampling, method, ngram, adaptive,
-                                           grammar, logprobs)
+            P = len(prompt_ids)
+            m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
+                                            prompt_tokens=P)
+            seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram, grammar, logprobs,
+                                       fixed)
         finally:
             self._busy.release()
-
-    def _tokens_locked(self, prompt_ids, budget, max_new_tokens, sampling, method: Method, ngram,
-                       adaptive, grammar=None, logprobs=None) -> Iterator[Emitted]:
-        P = len(prompt_ids)
-        m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,
-                                        prompt_tokens=P)
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        if self.one is not None:
-            yield from self.one.tokens(prompt_ids, max_new_tokens, sampling, seed, m, method, ngram, grammar, logprobs)
-            return
-        planner = self._planner(method, ngram, adaptive)
-        t_start = time.perf_counter()
-        try:
-            first = prefill(self.target, self.manifest.target.graphs["prefill"].tokens, prompt_ids)
-            for p in planner.proposers:      # a draft with its own cache prefills the prompt here
-                p.begin(prompt_ids, sampling, seed)
-            m.time_prefill = time.perf_counter() - t_start
-            with closing(decode(self.target, planner, first, P, budget, sampling, seed, self.ws, m,
-                                seq=list(prompt_ids))) as inner:
-                yield from inner
-            m.finish_reason = m.finish_reason or ("length" if budget == max_new_tokens else "max_context")
-        finally:
-            m.time_total = time.perf_counter() - t_start
-
-    def _planner(self, method: Method, ngram: int, adaptive: bool | None) -> Plain:
-        """Who proposes in each round of this generation (runtime/loop.py)."""
-        if method is Method.PLAIN:
-            return Plain()
-        # the one-token guessers of a pair round, after prompt lookup's own guess
-        pair = Chain([OneGram()] + ([TableGuess(self.ngrams)] if self.ngrams else [])) if self.pair else None
-        if method is Method.LOOKUP:
-            return Lookup(self._lookup(ngram), pair)
-        policy = self._policy() if adaptive is None else self._new_policy() if adaptive else None
-        if policy is None:
-            return FixedDraft(self.drafter)
-        return Adaptive(policy, self.drafter, self._lookup(ngram) if ngram else None, pair)
-
-    def _lookup(self, n: int) -> PromptLookup:
-        if n not in self._lookups:
-            self._lookups[n] = PromptLookup(n, self.k)
-        return self._lookups[n]
 
 
 def _matmul_nbits(entry: mf.ModelEntry) -> bool:
@@ -370,15 +304,3 @@ def _check_same_vocab(man: mf.Manifest) -> None:
         raise TokenizerMismatchError(
             "draft and target were built from different tokenizers (tokenizer.json hashes differ): "
             "speculative decoding needs one shared tokenizer")
-
-
-def _draft_prior(man: mf.Manifest) -> float:
-    """Adaptive k's prior acceptance: the build's measured top-1 agreement of draft and target
-    (0.8 when not recorded)."""
-    parity = (man.draft.parity if man.draft is not None else None) or {}
-    agree = parity.get("agreement_with_target") if isinstance(parity, dict) else None
-    v = (agree or {}).get("top1_agreement", 0.8) if isinstance(agree, (dict, type(None))) else None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-        raise ManifestError(f"manifest models.draft.parity.agreement_with_target.top1_agreement={v!r} is not a number "
-                            "in [0, 1]: the manifest is damaged; rebuild the engines")
-    return float(v)

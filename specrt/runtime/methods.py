@@ -2,7 +2,7 @@
 capability predicates instead of string checks).
 
     speculative   a draft model proposes; with the build's step costs, adaptive k also picks
-                  plain steps, prompt lookup's guess and pair rounds (runtime/adaptive.py)
+                  plain steps, prompt lookup's guess and pair rounds (runtime/batch/policy.py)
     plain         one target decode step per token
     lookup        prompt lookup proposes (no draft model); greedy only
 """

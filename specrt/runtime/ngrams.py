@@ -3,7 +3,7 @@ built at build time from the target's greedy continuations of the calibration pr
 (builder/gates/ngrams.py) and shipped in the engine folder (`ngrams.json`, manifest
 `proposers.ngrams`).
 
-A pair round (runtime/loop.py) verifies one guessed token for the price of a plain step,
+A pair round (runtime/batch/engine.py) verifies one guessed token for the price of a plain step,
 so any guess is worth making; prompt lookup has none when the last tokens never occurred
 before, and this table fills that gap: the longest suffix of the text (n = orders..1)
 found in the table gives the guess. Measured on SmolLM2-135M held-out prompts (their own

@@ -23,15 +23,23 @@ bench` and `specrt profile` time them, and answers may then differ from the serv
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from specrt.runtime.batch.generator import check_batch_entry, batch_engine
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
 from specrt.runtime.batch.request import Delta, Done, Request
-from specrt.runtime.loop import Emitted
 from specrt.runtime.methods import Method
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.proposers import PromptLookup
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """A token of `SpeculativeGenerator.tokens`: from_draft, a proposal the target accepted."""
+    token: int
+    from_draft: bool
+    logprob: object = None          # a TokenLogprob (batch/request.py), when the request asked for it
 
 
 def one_engine(man) -> bool:
@@ -66,29 +74,42 @@ def draft_left_out(man) -> bool:
 
 
 class BatchOfOne:
-    def __init__(self, root, *, threads: int, verify: str, k: int):
-        self.engine, self.tokenizer = batch_engine(root, max_num_seqs=1, threads=threads, verify=verify)
+    """One request at a time on a BatchEngine of one row, stepped from the caller's thread:
+    the batched model's (`open`), or a folder's one-row graphs (batch/one_row.py). fixed: the
+    engine's rounds are fixed-k (a one-row build that measured no step costs)."""
+
+    def __init__(self, engine, tokenizer, *, k: int, fixed: bool = False):
+        self.engine, self.tokenizer = engine, tokenizer
         # the engine emits every token (EOS too): the caller stops, as with SpeculativeGenerator.tokens
         self.engine.tokenizer, self.engine.eos = None, frozenset()
-        self.full, self.k = self.engine.policy, k
+        self.full, self.k, self.fixed = engine.policy, k, fixed
         self.has_draft = self.full.has_draft
 
-    def policy(self, method: Method, ngram: int) -> BatchPolicy:
-        """The round choices of one request (the engine runs one request at a time)."""
+    @classmethod
+    def open(cls, root, *, threads: int, verify: str, k: int) -> "BatchOfOne":
+        """The folder's batched model (`specrt build --batch`) as a batch of one."""
+        engine, tokenizer = batch_engine(root, max_num_seqs=1, threads=threads, verify=verify)
+        return cls(engine, tokenizer, k=k)
+
+    def policy(self, method: Method, ngram: int, fixed: bool = False) -> BatchPolicy:
+        """The round choices of one request (the engine runs one request at a time). fixed: every
+        round drafts k (or verifies lookup's guess) whatever the costs (`adaptive=False`)."""
         full = self.full
-        if method is Method.PLAIN or full.costs is None:
+        fixed = fixed or self.fixed
+        if method is Method.PLAIN or (full.costs is None and not fixed):
             return BatchPolicy(None, self.k)
         lookup = PromptLookup(ngram, self.k) if ngram else None
         return BatchPolicy(full.costs, self.k, lookup=lookup, pair_guess=full.pair_guess if lookup else None,
-                           draft=full.has_draft and method is Method.SPECULATIVE, priors=full.priors)
+                           draft=full.has_draft and method is Method.SPECULATIVE, priors=full.priors,
+                           pair=full.has_pair, fixed=fixed)
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling, seed: int, m: Metrics, method: Method,
-               ngram: int, grammar=None, logprobs: int | None = None) -> Iterator[Emitted]:
+               ngram: int, grammar=None, logprobs: int | None = None, fixed: bool = False) -> Iterator[Emitted]:
         """Yield the request's tokens as they become final, counting them into `m` (the
         caller's last_metrics; its finish_reason is the engine's, or what a caller that stopped
         early set)."""
         eng = self.engine
-        eng.policy = self.policy(method, ngram)
+        eng.policy = self.policy(method, ngram, fixed)
         t0 = time.perf_counter()
         stream = eng.drive(Request(list(prompt_ids), max_new_tokens, sampling, seed, metrics=m, grammar=grammar,
                                    logprobs=logprobs))

@@ -1,5 +1,5 @@
-"""Sampling parameters, the warp from logits to the distribution a token is drawn from, and
-the greedy verdict, in plain numpy.
+"""Sampling parameters and the warp from logits to the distribution a token is drawn from, in
+plain numpy.
 
 "p" is the *warped* distribution (temperature, top-k, top-p, min-p): the target's
 distribution a sampled request follows, so a proposer that samples (a draft model) goes
@@ -35,9 +35,7 @@ from specrt.errors import SamplingParamsError
 
 __all__ = [
     "SamplingParams",
-    "Verdict",
     "probs_from_logits",
-    "verify_greedy",
 ]
 
 
@@ -223,37 +221,3 @@ def probs_from_logits(
         np.divide(out, out.sum(), out=out)
 
     return out
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Outcome of verifying one step of k draft tokens.
-
-    The step emits draft_tokens[:n_accepted] followed by next_token.
-    """
-
-    n_accepted: int  # 0..k draft tokens kept
-    next_token: int  # recovered token (at first rejection) or bonus token (all accepted)
-    bonus: bool  # True when all k were accepted and next_token came from p[k]
-
-
-def verify_greedy(
-    target_argmax: np.ndarray,  # target_argmax: [k+1] int, target argmax at each verify position
-    draft_tokens: np.ndarray,  # draft_tokens: [k] int
-) -> Verdict:
-    """Greedy verification: keep draft tokens while they equal the target's argmax.
-
-    At the first mismatch i the recovered token is target_argmax[i]; if all k match,
-    the bonus token is target_argmax[k]. The output equals plain greedy decoding.
-    """
-    k = draft_tokens.shape[0]
-    if draft_tokens.ndim != 1 or target_argmax.shape != (k + 1,):
-        raise ValueError(
-            f"target_argmax has shape {target_argmax.shape} and draft_tokens {draft_tokens.shape}; "
-            "expected [k+1] and [k] (one verify position per draft token plus the bonus position)"
-        )
-    mismatch = np.flatnonzero(target_argmax[:k] != draft_tokens)
-    if mismatch.size:
-        i = int(mismatch[0])
-        return Verdict(n_accepted=i, next_token=int(target_argmax[i]), bonus=False)
-    return Verdict(n_accepted=k, next_token=int(target_argmax[k]), bonus=True)

@@ -101,10 +101,10 @@ def build_app(cfg: ServeConfig, factory: Callable | None = None):
                           threads=cfg.threads, factory=factory or load_generator,
                           on_generation=metrics.record_generation)
     tok = Tokenizer(Path(cfg.engines), man.tokenizer)
-    # structured outputs run on the batched model (the batch of one too): none without it
+    # structured outputs and logprobs run on the engine whatever the folder's model (runtime/batch/engine.py)
+    vocab = int((man.batch or man.target).dims["vocab"])
     grammars = grammars_for((Path(cfg.engines) / man.tokenizer["file"]).read_text(encoding="utf-8"),
-                            tuple(sorted(tok.eos_token_ids)), int(man.batch.dims["vocab"])) \
-        if man.batch is not None else None
+                            tuple(sorted(tok.eos_token_ids)), vocab)
     validator = Validator(tok, max_context=man.shapes.max_context, vocab=int(man.target.dims["vocab"]),
                           model_name=name, grammars=grammars, max_n=cfg.max_num_seqs or 1)
     app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,

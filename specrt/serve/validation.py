@@ -211,8 +211,8 @@ class Validator:
                                    code="invalid_value")
             n = lp
         if n is not None and self.grammars is None:
-            raise RequestError("logprobs are computed by the engine folder's batched model, which this one lacks: "
-                               "rebuild it with `specrt build ... --batch`", param="logprobs")
+            raise RequestError("this server was set up without the tokenizer logprobs are reported with",
+                               param="logprobs")
         if n is not None:
             self.grammars.tokenizer     # the tokens' bytes come from it: built here, off the event loop
         return n
@@ -231,8 +231,7 @@ class Validator:
         try:
             spec = _spec(name, value)
             if self.grammars is None:
-                raise GrammarError("this server's engine folder has no batched model, which structured outputs run "
-                                   "on: rebuild it with `specrt build ... --batch`")
+                raise GrammarError("this server was set up without the tokenizer structured outputs are compiled for")
             self.grammars.compile(spec)
         except GrammarError as e:
             raise RequestError(f"{name}: {e}", param=name, code="invalid_value") from None

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from specrt.prompts import PROMPTS
 from specrt.runtime import SamplingParams, SpeculativeGenerator
-from specrt.runtime.adaptive import expected_tokens
+from specrt.runtime.costs import expected_tokens
 from specrt.runtime.one import one_engine
 
 
@@ -125,7 +125,7 @@ class _Variant:
         self.identical = True
         self.lookup_identical = True
         # adaptive k runs where the build measured its costs (manifest build.speculation)
-        self.adaptive = gen.costs is not None and gen.draft is not None and "decode" in gen.target_graphs
+        self.adaptive = gen.costs is not None and gen.draft is not None
         self.adaptive_identical = True
         self.plan = (gen.manifest.build or {}).get("speculation", {}).get("chosen")
         # a --batch folder's one engine (what generate, the API and the server run), timed beside
@@ -344,8 +344,9 @@ def _lookup_report(variants, reports, out) -> None:
         "verified proposal, pair rounds):")
     for v, r in zip(variants, reports):
         p, found = r["prediction"], {}
+        pair, table = _pair_guessing(v.gen)
         for n in (1, 2, 3):
-            stats = [simulate_lookup(ids, toks, n, v.gen.k, pair=v.gen.pair, table=v.gen.ngrams)
+            stats = [simulate_lookup(ids, toks, n, v.gen.k, pair=pair, table=table)
                      for ids, toks in zip(v.prompt_ids, v.plain_out) if toks]
             rounds = sum(s.rounds for s in stats)
             found[n] = {"predicted_speedup": predicted_lookup_speedup(stats, p["t_target_1_ms"], p["t_target_k1_ms"]),
@@ -355,8 +356,17 @@ def _lookup_report(variants, reports, out) -> None:
         r["prompt_lookup"] = found
         out(f"  {v.engines}: " + " | ".join(
             f"n={n} x{f['predicted_speedup']:.2f} ({f['tokens_per_round']:.2f}, {f['proposal_share']:.0%}"
-            + (f", pairs {f['pair_share']:.0%}" if v.gen.pair else "") + ")"
+            + (f", pairs {f['pair_share']:.0%}" if pair else "") + ")"
             for n, f in found.items()))
+
+
+def _pair_guessing(gen: SpeculativeGenerator):
+    """(pair rounds possible: the target's decode graph takes two tokens, the build's n-gram
+    table or None) of a generator on one-row graphs."""
+    from specrt.runtime.ngrams import NgramTable
+    pair = gen.manifest.target.graphs["decode"].tokens >= 2 if "decode" in gen.manifest.target.graphs else False
+    ngrams = (gen.manifest.proposers or {}).get("ngrams")
+    return pair, NgramTable.load(gen.root / ngrams["file"]) if ngrams and pair else None
 
 
 def _hf_reference(source: str, prompt_ids, max_new_tokens: int, threads: int, gen, out) -> dict:

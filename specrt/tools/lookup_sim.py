@@ -1,7 +1,7 @@
 """What prompt lookup would achieve on known greedy outputs, before any loop runs it.
 
-`simulate_lookup` replays a greedy output (the target's own) through the very planner the
-loop uses for `method="lookup"` (runtime/loop.py `Lookup`): each round proposes from the
+`simulate_lookup` replays a greedy output (the target's own) through the engine's fixed-round
+policy for `method="lookup"` (runtime/batch/policy.py, `fixed`): each round proposes from the
 prompt and the output so far, keeps the agreeing prefix and emits one more token (the
 target's). With measured step costs, `predicted_lookup_speedup` turns the rounds into a
 speedup (`specrt bench`'s lookup prediction).
@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from specrt.runtime.loop import Lookup
+from specrt.runtime.batch.policy import BatchPolicy, RoundKind
 from specrt.runtime.proposers import Chain, OneGram, PromptLookup, TableGuess
-from specrt.runtime.rounds import RoundKind
 
 
 @dataclass(frozen=True)
@@ -33,12 +32,16 @@ def simulate_lookup(prompt: Sequence[int], output: Sequence[int], n: int, k: int
     """pair: the target's decode graph has two rows (a guess shorter than two tokens becomes a
     pair round's one guess: lookup's, else the 1-gram match, else `table`'s)."""
     chain = Chain([OneGram()] + ([TableGuess(table)] if table is not None else [])) if pair else None
-    planner = Lookup(PromptLookup(n, k), chain)
+    policy = BatchPolicy(None, k, lookup=PromptLookup(n, k), pair_guess=chain, pair=pair, fixed=True)
+
+    def graph_t(graph: str, want: int, rows: int) -> int:
+        return (2 if pair else 1) if graph == "decode" else k + 1
+
     seq, pos = list(prompt) + [output[0]], 1     # output[0]: the prefill's token
     rounds = proposed = paired = 0
     while pos < len(output):
-        plan = planner.next(seq, min(k, len(output) - pos - 1))
-        guess = plan.ready.tokens if plan.ready is not None else ()
+        plan = policy.choose([_Row(seq, len(output) - pos)], graph_t)
+        guess = plan.proposals[0]
         accepted = 0
         while accepted < len(guess) and guess[accepted] == output[pos + accepted]:
             accepted += 1
@@ -48,6 +51,13 @@ def simulate_lookup(prompt: Sequence[int], output: Sequence[int], n: int, k: int
         proposed += plan.kind is RoundKind.LOOKUP
         paired += plan.kind is RoundKind.PAIR
     return LookupStats(tokens=len(output) - 1, rounds=rounds, proposal_rounds=proposed, pair_rounds=paired)
+
+
+class _Row:
+    """What the policy reads of a row: its tokens and its room (tokens it may still emit)."""
+
+    def __init__(self, seq: list[int], left: int):
+        self.seq, self.room = seq, left - 1     # a round emits up to room + 1 tokens
 
 
 def predicted_lookup_speedup(stats: Sequence[LookupStats], t_decode: float, t_verify: float) -> float:

@@ -31,7 +31,7 @@ import numpy as np
 from specrt.driver import kl_rows
 from specrt.errors import ConfigError, TokenizerMismatchError
 from specrt.runtime import SpeculativeGenerator
-from specrt.runtime.loop import prefill
+from specrt.runtime.batch.one_row import prefill
 
 _REF = "\0reference"   # the reference's timing key when it is not one of the rows
 FIELDS = ("engines", "precision", "top1_agreement", "positions", "mean_kl", "max_abs_logit_delta",

@@ -1,8 +1,10 @@
 """The ort-cuda runner on CPU (execution="cpu": CPUExecutionProvider, CPU OrtValues, the CPU
 capture emulation) over the real tiny fp16 GroupQueryAttention graphs with a constant
 total_sequence_length: the ModelRunner protocol, parity with the ort-cpu backend on the
-fp32 graphs, the loop (greedy speculative == plain), rewinding, in-place updates, the
-graph lifecycle on real graphs, and the refusals. The CUDA provider itself has not run.
+fp32 graphs, the batched engine over the one-row runners (runtime/batch/one_row.py, as a
+one-row folder runs: greedy speculative == plain, with a draft model and with a self-draft
+over the target's cache), rewinding, in-place updates, the graph lifecycle on real graphs,
+and the refusals. The CUDA provider itself has not run.
 
 Tolerance: fp16 vs fp32 logits within precision.FP16_ATOL + FP16_RTOL * max|logit| (the
 fp16 export's own gate), and identical greedy tokens on the tiny model."""
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from one_row_drive import drive, engine, run
 
 from specrt import manifest as mf
 from specrt.errors import ManifestError
@@ -20,13 +23,11 @@ from specrt.runtime.backends import Cache, ModelRunner, backend_for
 from specrt.runtime.backends import ort_cuda
 from specrt.runtime.backends.gpu_errors import CaptureError, CudaUnavailableError
 from specrt.runtime.backends.ort_cpu import OrtModel
-from specrt.runtime.loop import FixedDraft, Plain, Workspace, decode, prefill
-from specrt.runtime.proposers import DraftModel
-from specrt.runtime.metrics import Metrics
-from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.batch.one_row import prefill
 
 SHAPES = mf.Shapes(batch=1, max_context=48, prefill_chunk=16, k=3)
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]   # two prefill chunks
+SHORT = [30, 6, 41, 8]      # a later request: its rows end where PROMPT's request left K/V
 NEW = 16
 
 
@@ -61,22 +62,20 @@ def _model(b, entry=None, **kw):
     return ort_cuda.OrtCudaModel(b.root, entry or b.target, SHAPES, execution="cpu", **kw).activate()
 
 
-def _plain(model, n=NEW):
-    first = prefill(model, SHAPES.prefill_chunk, PROMPT)
-    gen = decode(model, Plain(), first, len(PROMPT), n, SamplingParams(), None, Workspace(SHAPES.k, 128), Metrics(),
-                 seq=list(PROMPT))
-    return [e.token for e in gen]
+def _plain(model, n=NEW, prompt=PROMPT):
+    """Greedy plain decoding on the engine: the prompt through the prefill graph, then one
+    decode step a token."""
+    return drive(model, prompt, n, SHAPES)[0]
 
 
 def _speculative(target, draft, shared=False):
-    first = prefill(target, SHAPES.prefill_chunk, PROMPT)
-    drafter = DraftModel(draft, SHAPES.k, 128, prefill_tokens=SHAPES.prefill_chunk)
-    assert drafter.shared == shared
-    drafter.begin(PROMPT)
-    m = Metrics(k=SHAPES.k)
-    gen = decode(target, FixedDraft(drafter), first, len(PROMPT), NEW, SamplingParams(), None,
-                 Workspace(SHAPES.k, 128), m, seq=list(PROMPT))
-    return [e.token for e in gen], m
+    """Greedy fixed-k rounds on the engine (k draft steps, one verify pass) for PROMPT, then a
+    request for SHORT on the same engine: (PROMPT's tokens, its metrics, SHORT's tokens)."""
+    assert draft.shares_cache == shared
+    eng = engine(target, SHAPES, draft)
+    tokens, flags, m = run(eng, PROMPT, NEW)
+    assert sum(flags) == m.accepted                  # the tokens marked as the draft's are the accepted ones
+    return tokens, m, run(eng, SHORT, NEW)[0]
 
 
 def test_the_runner_implements_the_model_runner_and_cache_protocols(built):
@@ -92,12 +91,16 @@ def test_fp16_steps_match_the_ort_cpu_backend_on_fp32_graphs_and_pick_the_same_t
     l32 = prefill(m32, SHAPES.prefill_chunk, PROMPT).copy()
     assert np.abs(l16 - l32).max() <= FP16_ATOL + FP16_RTOL * np.abs(l32).max()
     tok, pos = int(np.argmax(l32)), len(PROMPT)
+    direct = [tok]
     for _ in range(NEW):
         a, b = m16.step("decode", [tok], pos), m32.step("decode", [tok], pos)
         assert np.abs(a - b).max() <= FP16_ATOL + FP16_RTOL * np.abs(b).max()
         assert int(np.argmax(a)) == int(np.argmax(b))
         tok, pos = int(np.argmax(b)), pos + 1
-    assert _plain(_model(built)) == _plain(OrtModel(built.root, built.target32, SHAPES))
+        direct.append(tok)
+    # the engine over either runner picks what stepping the runners by hand picked (at the
+    # positions the engine passes them: a shifted start changes the tokens)
+    assert _plain(_model(built)) == _plain(OrtModel(built.root, built.target32, SHAPES)) == direct[:NEW]
 
 
 def test_decode_and_verify_are_captured_after_the_warm_up_and_prefill_never(built):
@@ -113,14 +116,19 @@ def test_decode_and_verify_are_captured_after_the_warm_up_and_prefill_never(buil
     assert [g.step.name for g in m.device.graphs] == ["decode"] and not m.eager_fallbacks
 
 
-def test_greedy_speculative_decoding_through_the_loop_equals_plain(built):
-    plain = _plain(_model(built))
-    spec, metrics = _speculative(_model(built), _model(built, built.draft))
-    assert spec == plain and metrics.iterations > 0 and metrics.drafted > 0
+def test_greedy_speculative_decoding_on_the_engine_equals_plain(built):
+    # The engine keeps each row's length itself and never rewinds the runners' caches (the old
+    # loop called cache.rewind_to after every round): the K/V of rejected drafts and of an earlier
+    # request stay past the row's length. A later request's tokens equal a fresh plain run's, so
+    # nothing reads them.
+    plain, plain_short = _plain(_model(built)), _plain(_model(built), prompt=SHORT)
+    spec, metrics, short = _speculative(_model(built), _model(built, built.draft))
+    assert spec == plain and metrics.iterations > 0 and metrics.drafted > 0 and short == plain_short
     target = _model(built)
     self_draft = _model(built, cache=target.cache, graphs=("decode",))   # reads and writes the target's cache
-    spec, metrics = _speculative(target, self_draft, shared=True)
-    assert self_draft.shares_cache and spec == plain and metrics.accepted == metrics.drafted
+    spec, metrics, short = _speculative(target, self_draft, shared=True)
+    assert self_draft.shares_cache and spec == plain and metrics.accepted == metrics.drafted > 0
+    assert short == plain_short
 
 
 def test_rewinding_then_stepping_again_equals_never_having_seen_the_rejected_tokens(built):

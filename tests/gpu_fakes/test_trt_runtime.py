@@ -1,8 +1,9 @@
 """The TensorRT runtime backend against a fake `tensorrt` and a fake cudart (fake_cuda.py):
 every tensor address set once, cache outputs bound to their inputs' addresses, a CUDA
 graph captured after exactly one plain enqueue and replayed afterwards, prefill never
-captured, the tokens of a toy model through the loop (greedy speculative == plain, so
-in-place writes and rewinds are right), capture failure -> plain enqueues, and the
+captured, the tokens of a toy model through the batched engine over the one-row runners
+(runtime/batch/one_row.py, as a one-row folder runs: greedy speculative == plain, so in-place
+writes and the engine's lengths are right), capture failure -> plain enqueues, and the
 refusals (missing packages, no GPU, another TensorRT or GPU, bad plans). TensorRT has
 not run any of this."""
 from __future__ import annotations
@@ -11,18 +12,16 @@ import sys
 import types
 from collections import Counter
 
+import numpy as np
 import pytest
 from fake_cuda import fake_cudart, fake_tensorrt
+from one_row_drive import drive, engine, run
 
 from specrt import manifest as mf
 from specrt.errors import BackendError, GraphFileError, ManifestError
 from specrt.runtime.backends import backend_for, trt_runtime
 from specrt.runtime.backends.cuda_device import CudaDevice
 from specrt.runtime.backends.gpu_errors import CudaUnavailableError, EngineMismatchError, TensorRTUnavailableError
-from specrt.runtime.loop import FixedDraft, Plain, Workspace, decode, prefill
-from specrt.runtime.proposers import DraftModel
-from specrt.runtime.metrics import Metrics
-from specrt.runtime.sampling import SamplingParams
 
 SHAPES = mf.Shapes(batch=1, max_context=40, prefill_chunk=8, k=3)
 V = 64
@@ -68,6 +67,13 @@ def _open(w, role="target", rt=None, **kw):
 def _engine_calls(w, label, names=("execute_async_v3", "cudaStreamBeginCapture", "cudaStreamEndCapture",
                                    "cudaGraphInstantiate", "cudaGraphLaunch")):
     return [c for c in w.calls if c[0] in names and (c[0] != "execute_async_v3" or c[1] == label)]
+
+
+def _cached_tokens(w, runner, n):
+    """The tokens the toy model wrote into the first n rows of the runner's cache (it keeps
+    each position's input id in layer 0's keys)."""
+    k = runner.cache.keys[0]
+    return [int(t) for t in w.rt.view(k.address, k.shape, np.float16)[0, 0, :n, 0]]
 
 
 def _expected(prompt, n, role="target"):
@@ -117,30 +123,40 @@ def test_prefill_is_never_captured(world):
     assert not any(c[0] == "cudaStreamBeginCapture" for c in world.calls)
 
 
-def test_the_toy_model_decodes_right_and_greedy_speculative_equals_plain_through_the_loop(world):
+def test_the_toy_model_decodes_right_and_greedy_speculative_equals_plain_on_the_engine(world):
     target = _open(world)
-    first = prefill(target, SHAPES.prefill_chunk, PROMPT)
-    plain = [e.token for e in decode(target, Plain(), first, len(PROMPT), 20, SamplingParams(), None,
-                                     Workspace(SHAPES.k, V), Metrics(), seq=list(PROMPT))]
+    plain = drive(target, PROMPT, 20, SHAPES)[0]
+    seq = PROMPT + plain
     assert plain == _expected(PROMPT, 20)
+    # every token but the last was written in place at its own position (the toy model reads
+    # position p - 1 from the cache, so tokens alone miss a uniformly shifted start)
+    assert _cached_tokens(world, target, len(seq) - 1) == seq[:-1]
     target, draft = _open(world), _open(world, "draft")
-    first = prefill(target, SHAPES.prefill_chunk, PROMPT)
-    drafter = DraftModel(draft, SHAPES.k, V, prefill_tokens=SHAPES.prefill_chunk)
-    drafter.begin(PROMPT)
-    m = Metrics(k=SHAPES.k)
-    spec = [e.token for e in decode(target, FixedDraft(drafter), first, len(PROMPT), 20, SamplingParams(), None,
-                                    Workspace(SHAPES.k, V), m, seq=list(PROMPT))]
-    assert spec == plain and 0 < m.accepted < m.drafted     # some drafts rejected: the caches were rewound
+    eng = engine(target, SHAPES, draft)
+    spec, flags, m = run(eng, PROMPT, 20)
+    assert spec == plain and 0 < m.accepted < m.drafted     # some drafts rejected
+    assert sum(flags) == m.accepted
+    assert _cached_tokens(world, target, len(seq) - 1) == seq[:-1]      # the rejected drafts overwritten
+    # the draft's own cache too, below where the last drafting round started (the final step, with
+    # no room to draft, is plain; the round before it emitted at most k + 1 tokens), so its
+    # catch-up steps wrote the accepted tokens at their positions
+    drafted = len(seq) - 1 - 1 - (SHAPES.k + 1)
+    assert _cached_tokens(world, draft, drafted) == seq[:drafted]
     assert target.graph_stats()["verify"].replays > 0 and draft.graph_stats()["decode"].replays > 0
+    # The engine keeps each row's length itself and never rewinds the runners' caches (the old
+    # loop called cache.rewind_to after every round, so the rejected drafts' rows were dropped):
+    # the toy model reads the token at p - 1 from the cache, so a later request on the same
+    # engine decodes right only if each step starts at the row's true length, on both caches.
+    short = [9, 12, 1]
+    again, _, m2 = run(eng, short, 20)
+    assert again == _expected(short, 20) and 0 < m2.accepted < m2.drafted
 
 
 def test_a_failed_capture_falls_back_to_plain_enqueues_and_the_tokens_do_not_change(world, caplog):
     rt = fake_cudart(world.calls, fail=("end",))
     world.trt = fake_tensorrt(world.calls, rt, world.entries, SHAPES.kv_capacity)
     m = _open(world, rt=rt)
-    first = prefill(m, SHAPES.prefill_chunk, PROMPT)
-    out = [e.token for e in decode(m, Plain(), first, len(PROMPT), 10, SamplingParams(), None, Workspace(SHAPES.k, V),
-                                   Metrics(), seq=list(PROMPT))]
+    out = drive(m, PROMPT, 10, SHAPES)[0]
     assert out == _expected(PROMPT, 10) and set(m.eager_fallbacks) == {"decode"}
     assert not any(c[0] == "cudaGraphLaunch" for c in world.calls)
     assert "capture of the decode graph failed" in caplog.text

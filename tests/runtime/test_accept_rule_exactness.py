@@ -1,5 +1,6 @@
-"""The one accept rule (runtime/choice.py, through rounds.first_token and rounds.accept) in a
-small speculative decoder over fixed random Markov chains, with three proposers:
+"""The one accept rule (runtime/choice.py: `choose` for the token after the prompt,
+`first_mismatch` for every round, as the batched engine calls them) in a small speculative
+decoder over fixed random Markov chains, with three proposers:
 
     plain      no proposal: every token is the target's choice at its position
     draft      a model with its own, deliberately different distribution q, sampling its
@@ -26,10 +27,7 @@ import pytest
 from goodness_of_fit import P_VALUE_CEILING, Fit, goodness_of_fit
 
 from specrt.runtime import choice as choice_mod
-from specrt.runtime import rounds as rounds_mod
 from specrt.runtime.choice import choose
-from specrt.runtime.proposers.base import Proposal
-from specrt.runtime.rounds import Workspace
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 
 V = 6                    # blocks of 3 ids in the race's two levels (choice.block_size(6))
@@ -120,23 +118,24 @@ class Run:
 
 
 def decode(chain: Chain, propose: Proposer, k: int, seeds, n_tokens: int = N_TOKENS) -> Run:
-    """For each seed, the first n_tokens after the prompt [START], through the one-request
-    stack's rounds (first_token at position 1, then accept at the position of x1)."""
-    ws = Workspace(max(k, 1), V)
+    """For each seed, the first n_tokens after the prompt [START], as the batched engine decodes
+    a row (engine.py _first_token, _verify): choice.choose at position 1, then each round
+    choice.first_mismatch over the window [cur, x1..xk] at the position of x1. Both are looked
+    up in the choice module at call time, so a test can put a wrong rule there."""
+    scratch = np.zeros(V, np.float32)
     run = Run(np.empty((len(seeds), n_tokens), np.int64))
     for i, seed in enumerate(seeds):
         seq = [START]
-        seq.append(rounds_mod.first_token(chain.logits[START], chain.params, seed, len(seq), ws))
+        seq.append(choice_mod.choose(chain.logits[START], chain.params, seed, len(seq), scratch))
         while len(seq) <= n_tokens:
-            proposal = Proposal(propose(seq, k, seed))
-            window = chain.logits[[seq[-1], *proposal.tokens.tolist()]]     # [k+1, V] at cur, x1..xk
-            v = rounds_mod.accept(window, proposal, chain.params, seed, len(seq), ws)
-            n = v.n_accepted
-            states = [seq[-1], *proposal.tokens.tolist()]
+            proposal = propose(seq, k, seed)
+            states = [seq[-1], *proposal.tolist()]
+            window = chain.logits[states]                                   # [k+1, V] at cur, x1..xk
+            n, nxt = choice_mod.first_mismatch(window, proposal, chain.params, seed, len(seq), scratch)
             run.examined += [(states[j], j < n) for j in range(min(n + 1, len(proposal)))]
-            seq += [*proposal.tokens[:n].tolist(), v.next_token]
+            seq += [*proposal[:n].tolist(), nxt]
             run.rounds += 1
-            run.bonus += v.bonus and len(proposal) > 0
+            run.bonus += n == len(proposal) and len(proposal) > 0
             run.proposed += len(proposal)
             run.accepted += n
         run.tokens[i] = seq[1:1 + n_tokens]
@@ -185,10 +184,13 @@ def test_every_proposer_emits_exactly_the_targets_distribution(who, params, chai
         assert fit.passes, fit
 
 
+RIGHT_FIRST_MISMATCH = choice_mod.first_mismatch      # the rule itself, for the wrong ones built on it
+
+
 def redraw_after_a_rejection(logits, proposal, params, seed, position, scratch):
     """Wrong: the recovered token is drawn with noise of its own (a fresh key), not the target's
     choice at that position: the rejected guess can come straight back."""
-    n, y = choice_mod.first_mismatch(logits, proposal, params, seed, position, scratch)
+    n, y = RIGHT_FIRST_MISMATCH(logits, proposal, params, seed, position, scratch)
     if n == len(proposal):
         return n, y
     return n, choose(logits[n], params, seed + 1_000_003, position + n, scratch)
@@ -212,8 +214,8 @@ def race_weighing_blocks_by_their_largest_id(probs, key):
 
 
 WRONG = [
-    pytest.param(rounds_mod, "first_mismatch", redraw_after_a_rejection, "guesser", id="fresh-noise-after-rejection"),
-    pytest.param(rounds_mod, "first_mismatch", keep_every_draft_token, "draft", id="keeps-unchosen-draft-tokens"),
+    pytest.param(choice_mod, "first_mismatch", redraw_after_a_rejection, "guesser", id="fresh-noise-after-rejection"),
+    pytest.param(choice_mod, "first_mismatch", keep_every_draft_token, "draft", id="keeps-unchosen-draft-tokens"),
     pytest.param(choice_mod, "race", race_weighing_blocks_by_their_largest_id, "plain", id="block-level-not-mass"),
     pytest.param(choice_mod, "position_key", lambda seed, t, real=choice_mod.position_key: real(seed, 0), "plain",
                  id="noise-ignores-position"),

@@ -1,16 +1,21 @@
-"""Adaptive k with a fallback to plain steps (runtime/adaptive.py): the policy's choices
-follow the costs and the acceptance it sees, and whatever it chooses the output stays the
+"""Rounds chosen by measured cost, with a fallback to plain steps (runtime/batch/policy.py, as the
+batch of one runs it on a folder's one-row graphs): the policy's choices follow the costs and the
+acceptance it sees, it probes what it passed over, and whatever it chooses the output stays the
 target's: greedy identical to plain decoding, sampling exact, a seed reproducible."""
 from __future__ import annotations
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from specrt.errors import ConfigError
 from specrt.runtime import SamplingParams, SpeculativeGenerator
-from specrt.runtime.adaptive import AdaptiveK, StepCosts, expected_tokens
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, RoundKind
+from specrt.runtime.batch.request import Request, Row
+from specrt.runtime.costs import StepCosts, expected_tokens
+from specrt.runtime.proposers import Proposal
 
 PROMPTS = [[5, 6, 7], [40, 50, 60, 70, 80, 90, 100], list(range(10, 40))]
 
@@ -42,69 +47,106 @@ def test_ties_prefer_the_shorter_round():
     assert c.best_k(0.0, 4, allow_plain=False) == 1
 
 
+# --- the engine's policy (runtime/batch/policy.py) on one row, as a batch of one runs it ------------
+
+K = 4
+GUESS = np.array([7, 8, 9, 10], np.int64)
+
+
+class _Guess:
+    """A guesser with a fixed guess of up to `size` tokens (0: none)."""
+    name = "fixed"
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def propose(self, seq, k):
+        return Proposal(GUESS[:min(self.size, k)])
+
+
+def _policy(c: StepCosts, *, prior=0.8, lookup=0, lookup_prior=0.5, **kw) -> tuple[BatchPolicy, Row]:
+    costs = BatchCosts({1: {1: c.decode}, K + 1: {1: c.verify}}, {1: c.draft})
+    p = BatchPolicy(costs, K, lookup=_Guess(lookup) if lookup else None, draft=True, pair=False,
+                    priors={"draft": prior, "lookup": lookup_prior}, **kw)
+    return p, _row(p, 64)
+
+
+def _row(p: BatchPolicy, budget: int) -> Row:
+    return Row(Request([1, 2, 3], budget, SamplingParams(), 0), budget, None, p.priors, K)
+
+
+def _graph_t(graph, want, n):
+    return 1 if graph == "decode" else K + 1        # the one-row graphs' static windows
+
+
+def _choose(p: BatchPolicy, row: Row) -> tuple[str, int]:
+    c = p.choose([row], _graph_t)
+    return c.kind.value, (c.k if c.kind is RoundKind.DRAFT else len(c.proposals[0]))
+
+
+def _observe(p, row, how: str, k: int, accepted: int) -> None:
+    p.observe(row, RoundKind(how), k, accepted)
+
+
 def test_rejections_lower_the_estimate_and_acceptances_raise_it():
-    p = AdaptiveK(StepCosts(1.0, 1.2, 0.2), 4, prior=0.8)
-    start = p.acceptance
+    p, row = _policy(StepCosts(1.0, 1.2, 0.2), prior=0.8)
+    start = row.accept["draft"].mean
     for _ in range(5):
-        p.observe("draft", 4, 0)
-    low = p.acceptance
+        _observe(p, row, "draft", 4, 0)
+    low = row.accept["draft"].mean
     assert low < start
     for _ in range(5):
-        p.observe("draft", 4, 4)
-    assert p.acceptance > low
-    p.observe("lookup", 4, 0)             # lookup verdicts do not move the draft's estimate
-    assert p.acceptance == pytest.approx(p.draft.mean)
-    before = p.acceptance
-    p.observe("lookup", 3, 0)
-    assert p.acceptance == before
+        _observe(p, row, "draft", 4, 4)
+    assert row.accept["draft"].mean > low
+    before = row.accept["draft"].mean
+    _observe(p, row, "lookup", 3, 0)             # lookup verdicts do not move the draft's estimate
+    assert row.accept["draft"].mean == before
 
 
 def test_a_bad_stretch_moves_the_choice_to_plain_and_a_probe_comes_back():
-    p = AdaptiveK(StepCosts(decode=1.0, verify=1.3, draft=0.3), 4, prior=0.9, cooldown=5)
-    how, k = p.choose()
+    p, row = _policy(StepCosts(decode=1.0, verify=1.3, draft=0.3), prior=0.9, cooldown=5)
+    how, k = _choose(p, row)
     assert how == "draft" and k >= 3
     for _ in range(10):
-        p.observe("draft", 4, 0)          # every draft token rejected
-    assert p.choose() == ("plain", 0)
+        _observe(p, row, "draft", 4, 0)          # every draft token rejected
+    assert _choose(p, row) == ("plain", 0)
     rounds = []
     for _ in range(6):
-        how, k = p.choose()
+        how, k = _choose(p, row)
         rounds.append(how)
-        p.observe(how, k, k)              # the probe round is fully accepted
+        _observe(p, row, how, k, k)              # the probe round is fully accepted
     assert rounds == ["plain"] * 5 + ["draft"], rounds
-    assert p.rounds["probe"] == 1
 
 
-def test_the_budget_caps_k_and_zero_budget_is_a_plain_step():
-    p = AdaptiveK(StepCosts(1.0, 1.1, 0.05), 4, prior=0.95)
-    assert p.choose(2) == ("draft", 2)
-    assert p.choose(0) == ("plain", 0)
-    assert p.choose(0, lookup_len=3) == ("plain", 0)
+def test_the_budget_caps_k_and_no_room_is_a_plain_step():
+    p, _ = _policy(StepCosts(1.0, 1.1, 0.05), prior=0.95, lookup=3)
+    assert _choose(p, _row(p, 3)) == ("draft", 2)      # room for 2 proposals (and the target's token)
+    assert _choose(p, _row(p, 1)) == ("plain", 0)
 
 
 def test_a_free_lookup_guess_wins_over_a_costly_draft_and_loses_once_it_keeps_failing():
-    p = AdaptiveK(StepCosts(decode=7.9, verify=12.1, draft=8.6), 4, prior=0.68, lookup_prior=0.8)
-    assert p.choose(4, lookup_len=0) == ("plain", 0)
-    assert p.choose(4, lookup_len=3) == ("lookup", 3)
+    c = StepCosts(decode=7.9, verify=12.1, draft=8.6)
+    p, row = _policy(c, prior=0.68, lookup_prior=0.8)
+    assert _choose(p, row) == ("plain", 0)
+    p, row = _policy(c, prior=0.68, lookup=3, lookup_prior=0.8)
+    assert _choose(p, row) == ("lookup", 3)
     for _ in range(8):
-        p.observe("lookup", 3, 0)
-    assert p.choose(4, lookup_len=3) == ("plain", 0)
-    assert p.choose(4, lookup_len=0) == ("plain", 0)
+        _observe(p, row, "lookup", 3, 0)
+    assert _choose(p, row) == ("plain", 0)
 
 
 def test_a_lookup_guess_passed_over_a_few_times_is_tried_again():
-    p = AdaptiveK(StepCosts(decode=7.9, verify=12.1, draft=8.6), 4, prior=0.68, lookup_prior=0.8,
-                  lookup_cooldown=3)
+    p, row = _policy(StepCosts(decode=7.9, verify=12.1, draft=8.6), prior=0.68, lookup=3, lookup_prior=0.8,
+                     lookup_cooldown=3)
     for _ in range(8):
-        p.observe("lookup", 3, 0)
-    rounds = [p.choose(4, lookup_len=3)[0] for _ in range(4)]
+        _observe(p, row, "lookup", 3, 0)
+    rounds = [_choose(p, row)[0] for _ in range(4)]
     assert rounds == ["plain", "plain", "plain", "lookup"], rounds
-    assert p.choose(4, lookup_len=0) == ("plain", 0)
 
 
 def test_lookup_never_proposes_more_than_the_budget_allows():
-    p = AdaptiveK(StepCosts(decode=1.0, verify=1.0, draft=5.0), 4, lookup_prior=0.9)
-    assert p.choose(2, lookup_len=4) == ("lookup", 2)
+    p, _ = _policy(StepCosts(decode=1.0, verify=1.0, draft=5.0), lookup=4, lookup_prior=0.9)
+    assert _choose(p, _row(p, 3)) == ("lookup", 2)
 
 
 def test_costs_come_from_the_manifest_or_not_at_all():
@@ -184,7 +226,8 @@ def test_adaptive_is_off_for_an_explicit_k_without_costs_or_when_asked(costly_dr
     assert not SpeculativeGenerator(tiny_engines, k=3, adaptive=None).adaptive
     g = SpeculativeGenerator(costly_draft, adaptive=False)
     _tokens(g, PROMPTS[1], 30)
-    assert g.last_metrics.plain_steps == 0
+    # every round drafts k, however costly; at most the last token is a plain step (no room to draft)
+    assert g.last_metrics.plain_steps <= 1 and g.last_metrics.drafted >= 3 * 27, g.last_metrics.as_dict()
 
 
 def test_adaptive_refuses_what_it_cannot_do(costly_draft, tiny_engines):
@@ -210,7 +253,7 @@ def test_stopping_early_in_a_plain_round_leaves_the_cache_at_what_was_emitted(co
     it = g.tokens(PROMPTS[1], max_new_tokens=40)
     got = [next(it).token for _ in range(9)]
     it.close()
-    assert g.target.cache.length == len(PROMPTS[1]) + len(got) - 1
+    assert g.one.engine.idle()                       # the request left its row
     assert _tokens(g, PROMPTS[1], 9, "plain") == got
 
 
@@ -234,7 +277,9 @@ def test_a_build_times_its_graphs_and_records_the_plan_that_turns_adaptive_k_on(
     chosen = spec["chosen"]
     assert (chosen["method"], chosen["predicted_speedup"]) == (("speculative", best) if best > 1.0 else ("plain", 1.0))
     g = SpeculativeGenerator(out)
-    assert g.adaptive and g.costs == StepCosts.from_manifest(spec)
+    one = StepCosts.from_manifest(spec)
+    assert g.adaptive and (g.costs.target(1, 1), g.costs.target(1, 4), g.costs.draft(1)) == \
+        (one.decode, one.verify, one.draft)
     assert _tokens(g, PROMPTS[1], 30) == _tokens(g, PROMPTS[1], 30, "plain")
 
 
@@ -246,7 +291,8 @@ def test_a_build_without_timings_has_no_plan_and_a_fixed_k(tiny_engines):
 def test_a_call_can_override_the_instances_setting(planned, tiny_engines):
     g = SpeculativeGenerator(planned)
     _tokens(g, PROMPTS[2], 30, adaptive=False)
-    assert g.last_metrics.plain_steps == 0 and g.last_metrics.lookup_rounds == 0
+    # fixed-k rounds: all draft rounds but the last token's (no room to draft)
+    assert g.last_metrics.plain_steps <= 1 and g.last_metrics.lookup_rounds == 0
     with pytest.raises(ConfigError, match="rebuild"):
         _tokens(SpeculativeGenerator(tiny_engines), PROMPTS[2], 30, adaptive=True)
 
@@ -267,19 +313,18 @@ def test_backend_options_the_backend_does_not_take_are_a_config_error(tiny_engin
 
 
 def test_probes_of_a_draft_that_never_pays_come_ever_more_rarely_and_reset_when_it_pays():
-    p = AdaptiveK(StepCosts(decode=5.6, verify=10.0, draft=8.3), 4, prior=0.68, cooldown=16, max_cooldown=128)
+    p, row = _policy(StepCosts(decode=5.6, verify=10.0, draft=8.3), prior=0.68, cooldown=16, max_cooldown=128)
     probes = []
     for i in range(700):
-        how, k = p.choose(4)
-        p.observe(how, k, 0)          # every drafted token rejected
+        how, k = _choose(p, row)
+        _observe(p, row, how, k, 0)          # every drafted token rejected
         if how == "draft":
             probes.append(i)
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert gaps[:4] == [32, 64, 128, 128], (probes, gaps)      # the first probe after 16, then doubling, capped
-    cheap = AdaptiveK(StepCosts(decode=5.6, verify=6.0, draft=0.1), 4, prior=0.05, cooldown=16)
-    cheap.probe_gap = 128
-    cheap.plain_run = 128
-    how, k = cheap.choose(4)
+    cheap, row = _policy(StepCosts(decode=5.6, verify=6.0, draft=0.1), prior=0.05, cooldown=16)
+    row.probe_gap = row.plain_run = 128
+    how, k = _choose(cheap, row)
     assert how == "draft"
-    cheap.observe("draft", k, k)      # all accepted: the draft pays now
-    assert cheap.probe_gap == 16
+    _observe(cheap, row, "draft", k, k)      # all accepted: the draft pays now
+    assert row.probe_gap == 16

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from specrt.errors import ManifestError
-from specrt.runtime.generator import _draft_prior
+from specrt.runtime.batch.one_row import draft_prior as _draft_prior
 
 
 def _man(parity):

@@ -12,7 +12,7 @@ import pytest
 
 from specrt import manifest as mf
 from specrt.errors import ManifestError
-from specrt.runtime.adaptive import StepCosts
+from specrt.runtime.costs import StepCosts
 from specrt.runtime.backends.ort_batch import check_static_tokens
 from specrt.runtime.batch.policy import BatchCosts
 

@@ -91,7 +91,8 @@ def test_one_row_options_are_refused_with_the_fix(tiny_batch_rows_draft_engines,
 
 def test_engine_one_row_runs_the_one_row_graphs(tiny_batch_rows_draft_engines, gen):
     one_row = SpeculativeGenerator(tiny_batch_rows_draft_engines, engine="one-row", methods=("plain",))
-    assert one_row.one is None and one_row.target is not None
+    # the same engine, one row, over the one-row graphs (runtime/batch/one_row.py)
+    assert one_row.target is not None and one_row.one.engine.target.runner is one_row.target
     assert list(gen.tokens([1, 2, 3], max_new_tokens=4, adaptive=True))
     with pytest.raises(ConfigError, match="adaptive"):
         gen.tokens([1, 2, 3], max_new_tokens=4, adaptive=False)
@@ -148,7 +149,7 @@ def test_a_batch_that_speculates_less_than_the_one_row_graphs_still_runs_every_r
     assert draft_left_out(man) is (edit is _no_draft_graph)
     assert (plain_because(man) is None) is (edit is _no_draft_graph)
     gen = SpeculativeGenerator(folder, verify="none")
-    assert gen.one is not None and gen.drafter is None and not gen.one.has_draft
+    assert gen.one is not None and gen.draft is None and not gen.one.has_draft
     for mode, sp in (("greedy", SamplingParams()), ("seeded", SEEDED)):
         got = [(c.tokens, c.finish_reason) for c in (gen.generate(p, max_new_tokens=NEW, sampling=sp) for p in PROMPTS)]
         assert got == served[mode]
@@ -218,7 +219,7 @@ def test_specrt_generate_runs_the_batch_of_one_unless_asked_for_the_one_row_grap
     class Spy(SpeculativeGenerator):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            opened.append(self.one is not None)
+            opened.append(self.target is None)         # the batched model: no one-row graphs
     monkeypatch.setattr(specrt.runtime, "SpeculativeGenerator", Spy)
     for engine in (None, "one-row"):
         argv = ["generate", str(tiny_batch_rows_draft_engines), PROMPTS[0], "--raw", "--max-new-tokens", "4"]

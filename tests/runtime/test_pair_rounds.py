@@ -8,59 +8,92 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
-from specrt.runtime import SpeculativeGenerator
-from specrt.runtime.adaptive import AdaptiveK, StepCosts
-from specrt.runtime.proposers import Chain, OneGram, PromptLookup
+from specrt.runtime import SamplingParams, SpeculativeGenerator
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, RoundKind
+from specrt.runtime.batch.request import Request, Row
+from specrt.runtime.costs import StepCosts
+from specrt.runtime.proposers import Chain, OneGram, PromptLookup, Proposal
 
 PROMPTS = [[5, 6, 7], [40, 50, 60, 70, 80, 90, 100], list(range(10, 40)), [1, 99]]
 REPEATS = [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9]
 INT4 = StepCosts(decode=5.6, verify=10.0, draft=8.3)   # SmolLM2 int4 on 2 cores, ms (rounded)
 
 
-# --- the policy --------------------------------------------------------------------------
+# --- the policy (runtime/batch/policy.py) on one row -----------------------------------------
+
+def _policy(c: StepCosts, *, prior=0.68, lookup_prior=0.5, lookup=None, pair_guess=None) -> tuple[BatchPolicy, Row]:
+    costs = BatchCosts({2: {1: c.decode}, 5: {1: c.verify}}, {1: c.draft})     # a two-token decode graph
+    p = BatchPolicy(costs, 4, lookup=lookup, pair_guess=pair_guess, draft=True,
+                    priors={"draft": prior, "lookup": lookup_prior})
+    return p, _row(p, [1, 2, 3], 64)
+
+
+def _row(p, seq, budget):
+    return Row(Request(list(seq), budget, SamplingParams(), 0), budget, None, p.priors, 4)
+
+
+def _graph_t(graph, want, n):
+    return 2 if graph == "decode" else 5
+
+
+class _Guess:
+    name = "fixed"
+
+    def __init__(self, tokens):
+        self.tokens = np.array(tokens, np.int64)
+
+    def propose(self, seq, k):
+        return Proposal(self.tokens[:k])
+
+
+def _choose(p, row):
+    c = p.choose([row], _graph_t)
+    return c.kind.value, (c.k if c.kind is RoundKind.DRAFT else [int(t) for t in c.proposals[0]])
+
 
 def test_a_guess_turns_a_plain_step_into_a_pair_round():
-    p = AdaptiveK(INT4, 4, prior=0.68)
-    assert p.choose(4) == ("plain", 0)
-    assert p.choose(4, pair=True) == ("pair", 1)
-    assert p.choose(0, pair=True) == ("plain", 0)      # no room for a second token
+    p, row = _policy(INT4)
+    assert _choose(p, row) == ("plain", [])
+    p, row = _policy(INT4, pair_guess=_Guess([9]))
+    assert _choose(p, row) == ("pair", [9])
+    assert _choose(p, _row(p, [1, 2, 3], 1)) == ("plain", [])      # no room for a second token
 
 
 def test_a_pair_round_competes_with_lookup_on_rate():
-    assert AdaptiveK(INT4, 4, lookup_prior=0.5).choose(4, lookup_len=3, pair=True) == ("pair", 1)
-    assert AdaptiveK(INT4, 4, lookup_prior=0.9).choose(4, lookup_len=3, pair=True) == ("lookup", 3)
+    for prior, want in ((0.5, "pair"), (0.9, "lookup")):
+        p, row = _policy(INT4, lookup=_Guess([7, 8, 9]), lookup_prior=prior)
+        assert _choose(p, row)[0] == want
 
 
 def test_a_cheap_accurate_draft_beats_a_pair_round():
-    p = AdaptiveK(StepCosts(decode=1.0, verify=1.2, draft=0.05), 4, prior=0.9)
-    assert p.choose(4, pair=True) == ("draft", 4)
+    p, row = _policy(StepCosts(decode=1.0, verify=1.2, draft=0.05), prior=0.9, pair_guess=_Guess([9]))
+    assert _choose(p, row) == ("draft", 4)
 
 
 def test_pair_verdicts_move_only_the_pair_estimate():
-    p = AdaptiveK(INT4, 4, prior=0.68)
-    draft, before = p.draft.mean, p.pair.mean
+    p, row = _policy(INT4)
+    draft, before = row.accept["draft"].mean, row.accept["pair"].mean
     for _ in range(5):
-        p.observe("pair", 1, 1)
-    assert p.pair.mean > before and p.draft.mean == draft
+        p.observe(row, RoundKind.PAIR, 1, 1)
+    assert row.accept["pair"].mean > before and row.accept["draft"].mean == draft
     for _ in range(10):
-        p.observe("pair", 1, 0)
-    assert p.pair.mean < before and p.draft.mean == draft
-    assert p.rounds["pair"] == 15
+        p.observe(row, RoundKind.PAIR, 1, 0)
+    assert row.accept["pair"].mean < before and row.accept["draft"].mean == draft
 
 
 def test_a_pair_round_takes_the_lookup_guess_else_a_one_gram_match():
-    from specrt.runtime.loop import Lookup
-    plan = Lookup(PromptLookup(2, 4), Chain([OneGram()])).next
-    p = plan([1, 2, 9, 1, 2], 1)                        # the 2-gram match continues with one token
-    assert (p.kind, list(p.ready.tokens)) == ("pair", [9])
-    p = plan([4, 5, 6, 4], 4)                           # no 2-gram match: the 1-gram match
-    assert (p.kind, list(p.ready.tokens)) == ("pair", [5])
-    p = plan([4, 5, 4, 6, 4], 4)                        # the latest earlier occurrence
-    assert (p.kind, list(p.ready.tokens)) == ("pair", [6])
-    assert plan([4, 5, 6], 4).kind == "plain" and plan([4], 4).kind == "plain"
-    assert plan([1, 2, 9, 1, 2], 0).kind == "plain"     # no room for a second token
+    p, _ = _policy(INT4, lookup=PromptLookup(2, 4), pair_guess=Chain([OneGram()]), lookup_prior=0.05)
+
+    def plan(seq, room):
+        return _choose(p, _row(p, seq, room + 1))
+    assert plan([1, 2, 9, 1, 2], 1) == ("pair", [9])    # the 2-gram match continues with one token
+    assert plan([4, 5, 6, 4], 4) == ("pair", [5])       # no 2-gram match: the 1-gram match
+    assert plan([4, 5, 4, 6, 4], 4) == ("pair", [6])    # the latest earlier occurrence
+    assert plan([4, 5, 6], 4)[0] == "plain" and plan([4], 4)[0] == "plain"
+    assert plan([1, 2, 9, 1, 2], 0)[0] == "plain"       # no room for a second token
 
 
 # --- through the generator ------------------------------------------------------------------
@@ -82,13 +115,15 @@ def _tokens(g, ids, n, method="speculative", **kw):
 
 
 def _record_graphs(g):
-    """(graph, tokens) of every greedy target step after the prefill."""
-    calls, orig = [], g.target.argmax_step
+    """(graph, tokens) of every target step after the prefill (the one-row runner's calls: the
+    engine pads a plain step to the decode graph's two tokens)."""
+    calls, orig = [], g.target.step
 
-    def wrapped(graph, tokens, start, out):
-        calls.append((graph, len(tokens)))
-        return orig(graph, tokens, start, out)
-    g.target.argmax_step = wrapped
+    def wrapped(graph, tokens, start):
+        if graph != "prefill":
+            calls.append((graph, len(tokens)))
+        return orig(graph, tokens, start)
+    g.target.step = wrapped
     return calls
 
 
@@ -102,7 +137,9 @@ def test_pair_rounds_keep_greedy_output_identical_and_run_the_decode_graph(int4_
         calls = _record_graphs(g)
         assert _tokens(g, prompt, 40, method, ngram=2) == plain, prompt
         m = g.last_metrics
-        assert calls.count(("decode", 2)) == m.pair_rounds, (calls, m.as_dict())
+        # pair rounds run the two-token decode graph, as plain steps do; proposals the verify graph
+        assert calls.count(("decode", 2)) == m.pair_rounds + m.plain_steps, (calls, m.as_dict())
+        assert calls.count(("decode", 2)) + calls.count(("verify", 4)) == len(calls) == m.iterations
         pairs += m.pair_rounds
         accepted += m.accepted
         g = SpeculativeGenerator(int4_costed)            # unwrapped again
@@ -192,7 +229,8 @@ def test_pair_rounds_take_the_tables_guess_when_lookup_has_none(int4_costed):
             i = len(seq) - len(prompt)
             asked.append(i)
             return plain[i] if 0 < i < len(plain) else None
-    g.ngrams = Oracle()
+    from specrt.runtime.proposers import TableGuess
+    next(p for p in g.one.full.pair_guess.proposers if isinstance(p, TableGuess)).table = Oracle()
     assert _tokens(g, prompt, 30, "lookup", ngram=3) == plain
     m = g.last_metrics
     assert len(asked) >= 3 and m.pair_rounds >= len(asked) and m.accepted >= len(asked), (asked, m.as_dict())

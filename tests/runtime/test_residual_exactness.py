@@ -1,10 +1,11 @@
 """A proposal without a distribution (prompt lookup, a pair round's guess, the n-gram table)
 keeps sampled output exactly the target's, at the first position of a round and at a later
-one after an accepted guess, through both entry points of the one accept rule
-(runtime/choice.py): the one-request stack's rounds.accept and the batched engine's
-choice.first_mismatch. The guess is kept when it equals the target's choice at its position
-(the race keyed by the request's seed and the position), so with probability p(guess); what
-comes after a rejected guess is that same choice, so the guess never comes back.
+one after an accepted guess, through the one accept rule (runtime/choice.py first_mismatch)
+as the batched engine calls it for every round (engine.py _verify; every request runs on that
+engine, a single stream as a batch of one, so it is the rule's only entry point). The guess is
+kept when it equals the target's choice at its position (the race keyed by the request's seed
+and the position), so with probability p(guess); what comes after a rejected guess is that
+same choice, so the guess never comes back.
 
 The guesser is often wrong on purpose: it always guesses the target's second most likely
 token (accepted about a quarter of the time), so most rounds end in a rejection. A rule that
@@ -20,9 +21,7 @@ import pytest
 from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
 
 from specrt.runtime import choice as choice_mod
-from specrt.runtime import rounds as rounds_mod
-from specrt.runtime.proposers.base import Proposal
-from specrt.runtime.rounds import Workspace, accept
+from specrt.runtime.batch import engine as engine_mod
 from specrt.runtime.sampling import SamplingParams
 
 V = 6
@@ -60,26 +59,15 @@ def window(chain) -> tuple[np.ndarray, np.ndarray]:
     return logits[[START, g1, g2]], np.array([g1, g2], np.int64)
 
 
-def rounds_rule(chain, n: int) -> list[list[int]]:
-    """n requests (seeds 0..n-1) through the one-request stack's rounds.accept on the same window
-    at position 9: each one's emitted tokens (its accepted guesses, then the recovered or bonus
-    token)."""
-    logits, guesses = window(chain)
-    ws, out = Workspace(K, V), []
-    proposal = Proposal(guesses)
-    for seed in range(n):
-        v = accept(logits, proposal, PARAMS, seed, 9, ws)
-        out.append([*guesses[:v.n_accepted].tolist(), v.next_token])
-    return out
-
-
-def batched_rule(chain, n: int, first_mismatch=None) -> list[list[int]]:
-    """n requests (seeds 0..n-1) through the batched rule on the same window at position 9."""
-    first_mismatch = first_mismatch or choice_mod.first_mismatch
+def batched_rule(chain, n: int) -> list[list[int]]:
+    """n requests (seeds 0..n-1) through the batched engine's rule on the same window at
+    position 9: each one's emitted tokens (its accepted guesses, then the recovered or bonus
+    token). The rule is looked up where engine.py's _verify looks it up (the engine module's
+    first_mismatch), at call time, so a test can put a wrong rule there."""
     logits, guesses = window(chain)
     scratch, out = np.zeros(V, np.float32), []
     for seed in range(n):
-        accepted, nxt = first_mismatch(logits, guesses, PARAMS, seed, 9, scratch)
+        accepted, nxt = engine_mod.first_mismatch(logits, guesses, PARAMS, seed, 9, scratch)
         out.append([*guesses[:accepted].tolist(), nxt])
     return out
 
@@ -108,9 +96,8 @@ def guard(chain, emitted) -> None:
     assert one > 1000 and both > 300, (one, both)
 
 
-@pytest.mark.parametrize("rule", [rounds_rule, batched_rule], ids=["rounds-accept", "batched-first_mismatch"])
-def test_a_rejected_guess_leaves_the_output_exactly_the_targets(chain, rule):
-    emitted = rule(chain, N)
+def test_a_rejected_guess_leaves_the_output_exactly_the_targets(chain):
+    emitted = batched_rule(chain, N)
     guard(chain, emitted)
     first, later, kept = fits(chain, emitted)
     _, p, guess = chain
@@ -119,22 +106,21 @@ def test_a_rejected_guess_leaves_the_output_exactly_the_targets(chain, rule):
     assert first.passes and later.passes, (first, later)
 
 
+RIGHT_FIRST_MISMATCH = choice_mod.first_mismatch      # the rule itself, for the wrong one built on it
+
+
 def redraw(logits, proposal, params, seed, position, scratch):
     """Wrong: a guess that differs from the target's choice is replaced by a fresh draw from p
     (other noise than the choice it was compared with), so the guess comes back."""
-    n, y = choice_mod.first_mismatch(logits, proposal, params, seed, position, scratch)
+    n, y = RIGHT_FIRST_MISMATCH(logits, proposal, params, seed, position, scratch)
     if n == len(proposal):
         return n, y
     return n, choice_mod.choose(logits[n], params, seed + 1_000_003, position + n, scratch)
 
 
-def test_rounds_that_redraw_after_a_rejected_guess_fail_the_same_check(chain, monkeypatch):
-    """rounds.accept with that mistake: both positions fail by a wide margin."""
-    monkeypatch.setattr(rounds_mod, "first_mismatch", redraw)
-    first, later, _ = fits(chain, rounds_rule(chain, N))
-    assert all(f.p_value < P_VALUE_CEILING and f.tv > 2 * f.tv_bound for f in (first, later)), (first, later)
-
-
-def test_a_batched_rule_that_redraws_a_rejected_guess_fails_the_same_check(chain):
-    first, later, _ = fits(chain, batched_rule(chain, N, redraw))
+def test_a_batched_rule_that_redraws_a_rejected_guess_fails_the_same_check(chain, monkeypatch):
+    """The engine's rule with that mistake (put where engine.py's _verify looks it up): both
+    positions fail by a wide margin."""
+    monkeypatch.setattr(engine_mod, "first_mismatch", redraw)
+    first, later, _ = fits(chain, batched_rule(chain, N))
     assert all(f.p_value < P_VALUE_CEILING and f.tv > 2 * f.tv_bound for f in (first, later)), (first, later)

@@ -1,7 +1,7 @@
-"""The proposer seam and the one round skeleton (runtime/loop.py, runtime/proposers/):
-every proposer implements one protocol, a new proposer needs no change to the loop, and
-the state each round leaves behind (the position and seed it verified with, a draft's own
-cache, the adaptive policy's estimate) is the right one."""
+"""The proposer seam and the one round skeleton (runtime/batch/engine.py, runtime/proposers/),
+here on a folder's one-row graphs as the batch of one runs them: every guesser implements one
+protocol, a new one needs no change to the engine, and the state each round leaves behind (the
+position and seed it verified with, a draft's own cache, the policy's estimate) is the right one."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +11,14 @@ import pytest
 
 from specrt.errors import SamplingParamsError
 from specrt.runtime import SamplingParams, SpeculativeGenerator
-from specrt.runtime import rounds as rounds_mod
-from specrt.runtime.adaptive import AdaptiveK, StepCosts
-from specrt.runtime.loop import FixedDraft, decode
+from specrt.runtime.batch import engine as engine_mod
+from specrt.runtime.batch.one_row import prefill
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, RoundKind, StepChoice
+from specrt.runtime.batch.request import Delta, Request, Row
+from specrt.runtime.costs import StepCosts
 from specrt.runtime.methods import Method
-from specrt.runtime.metrics import Metrics
 from specrt.runtime.ngrams import NgramTable
-from specrt.runtime.proposers import Chain, OneGram, PromptLookup, Proposal, Proposer, ProposerStats, TableGuess
-from specrt.runtime.rounds import prefill
+from specrt.runtime.proposers import Chain, OneGram, PromptLookup, Proposal, Proposer, TableGuess
 
 PROMPT = [5, 9, 17, 33, 2, 5, 9, 17, 40, 41]
 
@@ -32,9 +32,8 @@ def trunc(tiny_truncated_engines):
 
 def test_every_proposer_implements_the_protocol(trunc):
     table = NgramTable({1: {(3,): 4}})
-    for p in (trunc.drafter, PromptLookup(2, 4), OneGram(), TableGuess(table), Chain([OneGram(), TableGuess(table)])):
+    for p in (PromptLookup(2, 4), OneGram(), TableGuess(table), Chain([OneGram(), TableGuess(table)])):
         assert isinstance(p, Proposer), p
-        assert isinstance(p.stats, ProposerStats)
     assert list(TableGuess(table).propose([1, 3], 1).tokens) == [4]
     assert len(TableGuess(table).propose([1, 2], 1)) == 0
     assert list(Chain([OneGram(), TableGuess(table)]).propose([7, 3], 1).tokens) == [4]   # no 1-gram: the table
@@ -49,56 +48,55 @@ def test_methods_are_an_enum_that_says_what_each_needs():
 
 
 class Oracle:
-    """A proposer that knows the answer: one more file is all a new proposer needs."""
+    """A guesser that knows the answer: one more file is all a new proposer needs."""
     name = "oracle"
 
     def __init__(self, answer: list[int], prompt_len: int):
         self.answer, self.at0 = answer, prompt_len
-        self.stats = ProposerStats()
-
-    def begin(self, prompt, params=None, seed=0):
-        pass
+        self.proposed = 0
 
     def propose(self, seq, k):
         i = len(seq) - self.at0               # tokens of the answer already in seq
-        return Proposal(np.asarray(self.answer[i:i + k], np.int64))
-
-    def accept(self, n):
-        pass
-
-    def end(self, committed):
-        pass
+        got = np.asarray(self.answer[i:i + k], np.int64)
+        self.proposed += len(got)
+        return Proposal(got)
 
 
-def test_a_new_proposer_plugs_into_the_loop_without_changing_it(trunc):
+def _drive(gen, policy, prompt, n, sampling=None, seed=0):
+    """A request on the generator's engine under `policy`: (tokens, metrics)."""
+    eng = gen.one.engine
+    eng.policy = policy
+    events = list(eng.drive(Request(list(prompt), n, sampling or SamplingParams(), seed)))
+    return [t for ev in events if isinstance(ev, Delta) for t in ev.tokens], events[-1].metrics
+
+
+def test_a_new_proposer_plugs_into_the_engine_without_changing_it(trunc):
     plain = [e.token for e in trunc.tokens(PROMPT, max_new_tokens=24, method="plain")]
     oracle = Oracle(plain, len(PROMPT))
     assert isinstance(oracle, Proposer)
-    first = prefill(trunc.target, trunc.manifest.target.graphs["prefill"].tokens, PROMPT)
-    m = Metrics(k=trunc.k)
-    got = [e.token for e in decode(trunc.target, FixedDraft(oracle), first, len(PROMPT), 24, SamplingParams(), 0,
-                                   trunc.ws, m, seq=list(PROMPT))]
+    got, m = _drive(trunc, BatchPolicy(None, trunc.k, lookup=oracle, fixed=True), PROMPT, 24)
     assert got == plain
-    assert m.accepted == m.drafted and m.iterations < 24 / trunc.k + 2      # every guess kept: k+1 tokens a round
-    assert oracle.stats.accepted == oracle.stats.proposed == m.accepted
+    assert m.accepted == m.drafted == oracle.proposed and m.iterations < 24 / trunc.k + 2   # k+1 tokens a round
 
 
-class Scripted:
-    """A policy that plays a fixed cycle of rounds (in place of AdaptiveK)."""
+class Scripted(BatchPolicy):
+    """A policy that plays a fixed cycle of rounds: a draft round of k, then a lookup round."""
 
-    def __init__(self, script):
-        self.script, self.i = list(script), 0
+    def __init__(self, k: int, lookup):
+        super().__init__(None, k, lookup=lookup, draft=True, priors={"draft": 0.5})
+        self.i = 0
 
-    def choose(self, budget_k=None, lookup_len=0, pair=False, draft=True):
-        how, k = self.script[self.i % len(self.script)]
+    def choose(self, rows, graph_t):
+        (row,) = rows
+        room = max(min(self.k_max, row.room), 0)
         self.i += 1
-        k = min(k, budget_k or 0)
-        if how == "lookup":
-            k = min(k, lookup_len)
-        return (how, k) if k else ("plain", 0)
-
-    def observe(self, how, k, accepted):
-        pass
+        if self.i % 2 and room:
+            return StepChoice(RoundKind.DRAFT, graph_t("verify", self.k_max + 1, 1), [np.zeros(0, np.int64)],
+                              k=self.k_max)
+        guess = self.lookup.propose(row.seq, room).tokens.copy() if room else np.zeros(0, np.int64)
+        if len(guess):
+            return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + len(guess), 1), [guess])
+        return StepChoice(RoundKind.PLAIN, graph_t("decode", 1, 1), [np.zeros(0, np.int64)])
 
 
 def test_a_lookup_round_after_a_draft_round_verifies_with_the_same_rule(trunc, monkeypatch):
@@ -108,24 +106,23 @@ def test_a_lookup_round_after_a_draft_round_verifies_with_the_same_rule(trunc, m
     token, and those positions follow the emitted text."""
     assert [f.name for f in dataclasses.fields(Proposal)] == ["tokens"]
     calls = []
-    real = rounds_mod.first_mismatch
+    real = engine_mod.first_mismatch
 
     def spy(logits, proposal, params, seed, position, scratch):
         n, nxt = real(logits, proposal, params, seed, position, scratch)
         calls.append((len(proposal), seed, position, n))
         return n, nxt
 
-    monkeypatch.setattr(rounds_mod, "first_mismatch", spy)
-    monkeypatch.setattr(trunc, "_policy", lambda: Scripted([("draft", 3), ("lookup", 3)]))
+    monkeypatch.setattr(engine_mod, "first_mismatch", spy)
     prompt = PROMPT * 3                                   # text that repeats: lookup has guesses
     looked = drafted = 0
     for seed in (0, 1, 7, 2**40 + 3, 2**62 + 5, 99):
         calls.clear()
         sp = SamplingParams(temperature=1.0, seed=seed)
-        toks = [e.token for e in trunc.tokens(prompt, max_new_tokens=30, sampling=sp, ngram=1)]
-        m = trunc.last_metrics
-        assert len(calls) == m.iterations, (len(calls), m.as_dict())      # one verification a target pass
-        at = len(prompt) + 1            # the first token, at len(prompt), came from the prefill's row
+        toks, m = _drive(trunc, Scripted(trunc.k, PromptLookup(1, trunc.k)), prompt, 30, sp, seed)
+        # one verification a target pass, and one of the prefill's last row (the first token)
+        assert len(calls) == m.iterations + 1, (len(calls), m.as_dict())
+        at = len(prompt)                # the first token, at len(prompt), from the prefill's row
         for k, s, position, n in calls:
             assert (s, position) == (seed, at), (calls, seed)
             at += n + 1
@@ -141,11 +138,12 @@ def test_the_drafts_own_cache_after_mixed_rounds_holds_what_a_fresh_prefill_writ
     ref = SpeculativeGenerator(tiny_truncated_engines, methods=("speculative",))
     T = trunc.manifest.draft.graphs["prefill"].tokens
     seq, checked, rejected = list(PROMPT), 0, 0
-    for e in trunc.tokens(PROMPT, max_new_tokens=40, method="speculative"):
+    eng = trunc.one.engine
+    for e in trunc.tokens(PROMPT, max_new_tokens=40, method="speculative", adaptive=False):
         seq.append(e.token)
-        if e.from_draft:
+        if e.from_draft or not eng.rows:
             continue                                   # mid-round: check at the end of a round
-        L = trunc.drafter.length
+        L = eng.rows[0].draft_len
         assert L <= len(seq) - 1
         if L > len(PROMPT) and L > checked:
             prefill(ref.draft, T, seq[:L])
@@ -161,11 +159,17 @@ def test_the_drafts_own_cache_after_mixed_rounds_holds_what_a_fresh_prefill_writ
 def test_the_adaptive_estimate_recovers_within_a_few_good_rounds():
     """Old rejections are forgotten: after a long run of rejected drafts, eight fully accepted
     rounds bring the draft back (an estimate that never forgets would stay on plain steps)."""
-    costs = StepCosts(decode=1.0, verify=1.3, draft=0.15)
-    p = AdaptiveK(costs, 4, prior=0.8)
+    c = StepCosts(decode=1.0, verify=1.3, draft=0.15)
+    p = BatchPolicy(BatchCosts({1: {1: c.decode}, 5: {1: c.verify}}, {1: c.draft}), 4, draft=True,
+                    priors={"draft": 0.8})
+    row = Row(Request([1, 2, 3], 64, SamplingParams(), 0), 64, None, p.priors, 4)
+
+    def choose():
+        row.plain_run = 0                          # no probe: the estimate alone decides
+        return p.choose([row], lambda graph, want, n: 1 if graph == "decode" else 5).kind
     for _ in range(100):
-        p.observe("draft", 4, 0)
-    assert p.choose(4)[0] == "plain"
+        p.observe(row, RoundKind.DRAFT, 4, 0)
+    assert choose() is RoundKind.PLAIN
     for _ in range(8):
-        p.observe("draft", 4, 4)
-    assert p.draft.mean > 0.75 and p.choose(4)[0] == "draft", p.draft.mean
+        p.observe(row, RoundKind.DRAFT, 4, 4)
+    assert row.accept["draft"].mean > 0.75 and choose() is RoundKind.DRAFT, row.accept["draft"].mean

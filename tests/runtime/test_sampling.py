@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specrt.errors import SamplingParamsError
-from specrt.runtime.sampling import SamplingParams, Verdict, probs_from_logits, verify_greedy
+from specrt.runtime.sampling import SamplingParams, probs_from_logits
 
 # probs [0.4, 0.3, 0.2, 0.1] at temperature 1: easy to check by hand.
 HAND_LOGITS = np.log(np.array([4.0, 3.0, 2.0, 1.0], dtype=np.float32))
@@ -227,29 +227,27 @@ def test_out_of_the_wrong_shape_is_refused():
         probs_from_logits(HAND_LOGITS, SamplingParams(temperature=1.0), np.empty(3, np.float32))
 
 
-# --- verify_greedy ----------------------------------------------------------------
+# --- the greedy verdict: the accept rule (runtime/choice.py) at temperature 0 -----------------
+
+def _verdict(argmax, draft):
+    """(accepted, next token) of first_mismatch over one-hot rows at `argmax`."""
+    from specrt.runtime.choice import first_mismatch
+    logits = np.full((len(argmax), 10), -1.0, np.float32)
+    logits[np.arange(len(argmax)), argmax] = 1.0
+    return first_mismatch(logits, np.array(draft, np.int64), SamplingParams(), 0, 0, np.zeros(10, np.float32))
 
 
 def test_greedy_verify_accepts_all_and_adds_the_bonus_token():
-    verdict = verify_greedy(np.array([5, 1, 4, 9]), np.array([5, 1, 4]))
-    assert verdict == Verdict(n_accepted=3, next_token=9, bonus=True)
+    assert _verdict([5, 1, 4, 9], [5, 1, 4]) == (3, 9)
 
 
 def test_greedy_verify_stops_at_the_first_mismatch_with_the_target_token():
-    verdict = verify_greedy(np.array([5, 2, 4, 9]), np.array([5, 1, 4]))
-    assert verdict == Verdict(n_accepted=1, next_token=2, bonus=False)
-    verdict = verify_greedy(np.array([0, 1, 4, 9]), np.array([5, 1, 4]))
-    assert verdict == Verdict(n_accepted=0, next_token=0, bonus=False)
+    assert _verdict([5, 2, 4, 9], [5, 1, 4]) == (1, 2)
+    assert _verdict([0, 1, 4, 9], [5, 1, 4]) == (0, 0)
 
 
 def test_greedy_verify_with_no_draft_tokens_returns_the_bonus_from_position_zero():
-    verdict = verify_greedy(np.array([7]), np.array([], dtype=np.int64))
-    assert verdict == Verdict(n_accepted=0, next_token=7, bonus=True)
-
-
-def test_verifiers_refuse_mismatched_shapes():
-    with pytest.raises(ValueError, match=r"expected \[k\+1\] and \[k\]"):
-        verify_greedy(np.array([1, 2]), np.array([1, 2]))
+    assert _verdict([7], []) == (0, 7)
 
 
 # --- issue 16: inputs at the edges -------------------------------------------------

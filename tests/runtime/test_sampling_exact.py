@@ -9,7 +9,9 @@ no code with specrt; cross-checked against transformers' own warpers). The param
 are chosen so that each of the three warps changes the distribution at most positions
 (asserted), so a warp that the draft or the target skips shows. Chi-square (cells
 expected < 5 pooled) and a total-variation bound, via tests/goodness_of_fit.py; the
-same check with a deliberately wrong accept rule must fail, which shows it can tell.
+same check with a deliberately wrong accept rule must fail, which shows it can tell (the
+wrong rule is put where the batched engine, which runs every request, looks the rule up:
+specrt.runtime.batch.engine.first_mismatch).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from goodness_of_fit import P_VALUE_CEILING, goodness_of_fit
 
 from specrt.runtime import SamplingParams, SpeculativeGenerator
 from specrt.runtime import choice as choice_mod
-from specrt.runtime import rounds as rounds_mod
+from specrt.runtime.batch import engine as engine_mod
+from specrt.runtime.batch.policy import NONE, BatchPolicy, RoundKind, StepChoice
 
 PROMPT = [40, 50, 60, 70]
 K = 3                       # conftest.build_tiny's default
@@ -171,7 +174,11 @@ ENGINES = [pytest.param("truncate:2", "gqa", N, id="truncate2-gqa"),
 
 @pytest.fixture(scope="module")
 def gen(tiny_truncated_engines) -> SpeculativeGenerator:
-    return SpeculativeGenerator(tiny_truncated_engines)
+    """The folder's one-row graphs on the batched engine (a batch of one, batch/one_row.py); no
+    measured costs, so fixed rounds of K draft tokens unless a test scripts them."""
+    g = SpeculativeGenerator(tiny_truncated_engines)
+    assert g.target is not None and g.one.fixed, "a one-row folder without measured costs"
+    return g
 
 
 @pytest.mark.parametrize(("kind", "attention", "runs"), ENGINES)
@@ -243,31 +250,54 @@ def _redraw_after_a_rejection(logits, proposal, params, seed, position, scratch)
 
 @pytest.mark.parametrize("wrong", [_always_accept, _redraw_after_a_rejection])
 def test_a_wrong_accept_rule_fails_the_same_check(gen, exact, monkeypatch, wrong):
-    monkeypatch.setattr(rounds_mod, "first_mismatch", wrong)
+    monkeypatch.setattr(engine_mod, "first_mismatch", wrong)      # where engine.py's _verify looks it up
     fit = fit_of(exact, sample_prefixes(gen, N // 2))
     assert not fit.passes and fit.p_value < P_VALUE_CEILING, fit
 
 
-class Scripted:
-    """A policy (runtime/adaptive.py's interface) that plays a fixed script of rounds, plain
-    steps and prompt-lookup rounds included, whatever verdicts it sees. A lookup entry falls
-    back to the draft when prompt lookup has no guess this round."""
+class Scripted(BatchPolicy):
+    """A policy (runtime/batch/policy.py's interface) for a batch of one that plays a fixed
+    script of rounds, plain steps and prompt-lookup rounds included, whatever verdicts it sees.
+    A lookup entry falls back to the draft when prompt lookup has no guess this round; a pair
+    entry is a plain step without a two-token decode graph or a one-token guess; an entry's k
+    is cut to the row's room, and a round left with nothing to propose is a plain step. Its
+    proposers (prompt lookup, the one-token guessers, the draft) are those of `like`, the
+    policy the generator made for the request."""
 
-    def __init__(self, script):
+    def __init__(self, script, like: BatchPolicy):
+        super().__init__(None, like.k_max, lookup=like.lookup, pair_guess=like.pair_guess, draft=like.has_draft,
+                         priors=like.priors, pair=like.has_pair)
         self.script, self.i = list(script), 0
 
-    def choose(self, budget_k=None, lookup_len=0, pair=False):
+    def choose(self, rows, graph_t) -> StepChoice:
+        (row,) = rows
         how, k = self.script[self.i % len(self.script)]
         self.i += 1
-        k = k if budget_k is None else min(k, budget_k)
+        room = max(min(self.k_max, row.room), 0)
+        k = min(k, room)
+        guess = self._guess(row.seq, room) if self.lookup is not None else NONE
         if how == "lookup":
-            how, k = ("lookup", min(k, lookup_len)) if lookup_len else ("draft", k)
-        if how == "pair" and not pair:
+            how, k = ("lookup", min(k, len(guess))) if len(guess) else ("draft", k)
+        one = NONE
+        if how == "pair" and self.has_pair and room:
+            one = guess[:1] if len(guess) else self._one(row.seq)
+        if how == "pair" and not len(one):
             how, k = "plain", 0
-        return (how, k) if k or how == "plain" else ("plain", 0)
+        if how == "plain" or not k:
+            return StepChoice(RoundKind.PLAIN, graph_t("decode", 1, 1), [NONE])
+        if how == "pair":
+            return StepChoice(RoundKind.PAIR, graph_t("decode", 2, 1), [one])
+        if how == "lookup":
+            return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + k, 1), [guess[:k]])
+        return StepChoice(RoundKind.DRAFT, graph_t("verify", k + 1, 1), [NONE], k=k)
 
-    def observe(self, how, k, accepted):
-        pass
+
+def play(gen, monkeypatch, script) -> None:
+    """Every request of gen plays `script` (the engine's policy is the generator's batch of one's
+    policy() for the request, made per request, so each starts the script afresh)."""
+    real = gen.one.policy
+    monkeypatch.setattr(gen.one, "policy", lambda method, ngram, fixed=False: Scripted(script,
+                                                                                      real(method, ngram, True)))
 
 
 def _scripted_runs(gen, prompt) -> tuple[Counter, Counter]:
@@ -297,7 +327,7 @@ def test_sampling_stays_exact_when_rounds_mix_plain_steps_lookup_and_draft_lengt
     if wants_lookup:   # the prompt followed by the target's own greedy text: lookup guesses the target often likes
         prompt = PROMPT + [e.token for e in gen.tokens(PROMPT, max_new_tokens=40, method="plain")]
     want = exact_of(tree_of(tiny_pair[0], prompt)) if wants_lookup else exact
-    monkeypatch.setattr(gen, "_policy", lambda: Scripted(script))
+    play(gen, monkeypatch, script)
     counts, m = _scripted_runs(gen, prompt)
     plain, looked, accepted, proposed = m["plain_steps"], m["lookup_rounds"], m["accepted"], m["drafted"]
     assert plain >= N // 4 and (looked >= N // 4 if wants_lookup else looked == 0), (plain, looked)
@@ -311,12 +341,18 @@ def test_sampling_stays_exact_with_pair_rounds(gen, tiny_pair, monkeypatch):
     """A pair round puts one guessed token in the second row of the target's decode graph
     (a quantized target's runs two rows) and verifies it like a guess of k = 1. The
     fp32 target's decode graph has one row, so here its verify graph stands in for a two-row
-    decode graph (same rows, padded): the loop's pair path against the exact distribution."""
+    decode graph (same rows, padded): the engine's pair path against the exact distribution.
+    The engine runs "decode" through the one-row adapter (batch/one_row.py OneRowModel), which
+    calls the runner's step, which looks the graph up in the runner's `graphs`; the engine
+    sizes the call by the adapter's graph_tokens (2: a two-row decode graph) and offers pair
+    rounds where its policy has has_pair."""
     prompt = PROMPT + [e.token for e in gen.tokens(PROMPT, max_new_tokens=40, method="plain")]
     want = exact_of(tree_of(tiny_pair[0], prompt))
+    assert gen.one.engine.target.runner is gen.target and not gen.one.full.has_pair
     monkeypatch.setitem(gen.target.graphs, "decode", gen.target.graphs["verify"])
-    monkeypatch.setattr(gen, "pair", True)
-    monkeypatch.setattr(gen, "_policy", lambda: Scripted([("pair", 1), ("pair", 1), ("draft", 2)]))
+    monkeypatch.setitem(gen.one.engine.target.graph_tokens, "decode", 2)
+    monkeypatch.setattr(gen.one.full, "has_pair", True)
+    play(gen, monkeypatch, [("pair", 1), ("pair", 1), ("draft", 2)])
     counts, m = _scripted_runs(gen, prompt)
     paired, accepted, proposed = m["pair_rounds"], m["accepted"], m["drafted"]
     assert paired >= N // 6, paired                  # pair rounds ran (in rounds where a 1-gram guess exists)

@@ -1,15 +1,17 @@
 """One seed, one answer (issue 27), end to end on the tiny engines: a seeded sample's tokens are
 the target's choices at their positions (runtime/choice.py), so they do not depend on the
-method (plain decoding or speculation), on k, or on the engine (the one-request stack or the
-batched one), wherever the target's rows are the same numbers. And a sampling draft is
-coupled to those choices: it draws with the same noise, so it is kept far more often than a
-draft with noise of its own would be (on the tiny random models the int8 draft's rows are
-far from the int4 target's, 1 - TV about 0.6, so the margin is the noise's, not the model's).
+method (plain decoding or speculation), on k, on the graphs that run the target (a folder's
+one-row graphs or its batched ones: every request runs on the one batched engine,
+runtime/batch/engine.py, a single stream as a batch of one) or on the other rows of a batch,
+wherever the target's rows are the same numbers. And a sampling draft is coupled to those
+choices: it draws with the same noise, so it is kept far more often than a draft with noise of
+its own would be (on the tiny random models the int8 draft's rows are far from the int4
+target's, 1 - TV about 0.6, so the margin is the noise's, not the model's).
 
-The engines must give bit-for-bit equal rows for this to be an identity: the int4 target's
+The graphs must give bit-for-bit equal rows for this to be an identity: the int4 target's
 decode and verify rows are (the build's identity parity says so, asserted here), and the
-batched build with `--batch-prefill same` gives greedy tokens equal to the one-stream
-runtime's (tests/runtime/batch/test_ort_batch_engine.py).
+batched build with `--batch-prefill same` gives greedy tokens equal to its one-row graphs'
+(tests/runtime/batch/test_ort_batch_engine.py).
 """
 from __future__ import annotations
 
@@ -19,10 +21,9 @@ import numpy as np
 import pytest
 
 from specrt.runtime import SamplingParams, SpeculativeGenerator
-from specrt.runtime import rounds as rounds_mod
+from specrt.runtime.batch import engine as engine_mod
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.choice import choose
-from specrt.runtime.proposers import draft as draft_mod
 from specrt.runtime.sampling import probs_from_logits
 
 PROMPTS = ["hello there", "the quick brown fox", "one two three four five six seven eight nine ten",
@@ -69,9 +70,12 @@ def test_a_seed_gives_the_same_tokens_plain_or_speculative_at_any_k(int4):
 def draft_acceptance(gen, seeds, monkeypatch, seed_of=lambda s: s) -> tuple[float, float]:
     """(share of the verified draft tokens that were kept, the mean of 1 - TV(p, q) between the
     target's and the draft's warped rows at those positions: what Leviathan's rule would keep).
-    seed_of: the seed the draft draws with (the request's: coupled)."""
+    seed_of: the seed the draft draws with (the request's: coupled).
+    Both are observed where the engine looks them up (engine.py): `choose` there is the draft's
+    draw (_guess; the target's choices go through first_mismatch when a request has no grammar),
+    `first_mismatch` every verification (the first token's too, with no proposal)."""
     pending, kept, overlap = [], [], []
-    real_mismatch = rounds_mod.first_mismatch
+    real_mismatch = engine_mod.first_mismatch
 
     def warped(row, params, scratch):
         p = probs_from_logits(row, params, np.empty_like(scratch)).astype(np.float64)
@@ -89,8 +93,8 @@ def draft_acceptance(gen, seeds, monkeypatch, seed_of=lambda s: s) -> tuple[floa
         pending.clear()
         return n, y
 
-    monkeypatch.setattr(draft_mod, "choose", draft_choose)
-    monkeypatch.setattr(rounds_mod, "first_mismatch", verify)
+    monkeypatch.setattr(engine_mod, "choose", draft_choose)
+    monkeypatch.setattr(engine_mod, "first_mismatch", verify)
     for i, seed in enumerate(seeds):
         sampled(gen, PROMPTS[i % len(PROMPTS)], seed, method="speculative", adaptive=False)
     monkeypatch.undo()
@@ -121,13 +125,20 @@ def batch(tiny_batch_same_engines):
     g.close()
 
 
-def test_a_seeded_sample_is_the_same_from_the_one_stream_runtime_and_the_batched_engine(batch,
-                                                                                       tiny_batch_same_engines):
-    one = SpeculativeGenerator(tiny_batch_same_engines, methods=("plain",))
+def test_a_seeded_sample_is_the_same_from_the_one_row_graphs_and_the_batched_ones_alone_or_in_a_batch(
+        batch, tiny_batch_same_engines):
+    """The folder's one-row graphs (engine="one-row") and its batched graph, each a batch of one
+    on the engine SpeculativeGenerator runs, and the batched graph with several rows sharing
+    its steps (open_batch, max_num_seqs=3): one seed, one answer."""
+    one_row = SpeculativeGenerator(tiny_batch_same_engines, methods=("plain",), engine="one-row")
+    one_batched = SpeculativeGenerator(tiny_batch_same_engines, methods=("plain",))
+    assert one_row.target is not None and one_batched.target is None     # two graph sets, one folder
     cases = [(PROMPTS[i % len(PROMPTS)], seed) for i, seed in enumerate(SEEDS)]
     handles = [batch.submit(p, max_new_tokens=NEW, sampling=SamplingParams(**HOT, seed=s)) for p, s in cases]
     together = [h.result().tokens for h in handles]             # several rows share the batch's steps
     for (prompt, seed), got in zip(cases, together):
-        alone = one.generate(prompt, max_new_tokens=NEW, sampling=SamplingParams(**HOT, seed=seed), method="plain")
-        assert alone.tokens == got, (prompt, seed)
+        for one in (one_row, one_batched):
+            alone = one.generate(prompt, max_new_tokens=NEW, sampling=SamplingParams(**HOT, seed=seed),
+                                 method="plain")
+            assert alone.tokens == got, (prompt, seed, one.target is None)
     assert sum(map(len, together)) > len(cases) * NEW // 2, together      # mostly full answers, not early EOS

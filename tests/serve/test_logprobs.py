@@ -93,11 +93,16 @@ def test_bad_logprobs_fields_are_a_400_naming_them(live, body, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_a_one_row_engine_refuses_logprobs_naming_the_fix(tiny_batch_rows_model_engines):
-    from specrt.errors import SamplingParamsError
+def test_the_one_row_graphs_report_logprobs_on_the_same_engine(tiny_batch_rows_model_engines):
+    """engine="one-row" runs the one-row graphs on the one engine: each token's raw log-probability
+    with its 2 most likely alternatives, the same with and without speculation."""
     gen = SpeculativeGenerator(tiny_batch_rows_model_engines, engine="one-row")
-    with pytest.raises(SamplingParamsError, match="--batch"):
-        gen.generate("hi", logprobs=2)
+    got = {m: gen.generate("hi", max_new_tokens=10, logprobs=2, method=m) for m in ("plain", "speculative")}
+    plain, spec = got["plain"], got["speculative"]
+    assert spec.tokens == plain.tokens and len(plain.logprobs) == len(plain.tokens)
+    for a, b, t in zip(plain.logprobs, spec.logprobs, plain.tokens):
+        assert a.token == t and len(a.top) == 2 and a.logprob <= 0 and a.top[0][1] >= a.logprob
+        assert abs(a.logprob - b.logprob) < 1e-4
 
 
 def test_a_tokens_bytes_are_the_bytes_it_stands_for():

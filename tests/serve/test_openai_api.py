@@ -114,7 +114,6 @@ BAD = [
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "logprobs": 3}, "logprobs"),
     ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     ({"prompt": "x" * 200}, "prompt"),
     ({"prompt": ""}, "prompt"),

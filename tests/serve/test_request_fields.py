@@ -142,16 +142,17 @@ def test_bad_values_of_the_honoured_fields_are_a_400(live, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}), ("logprobs", True)])
-def test_structured_outputs_and_logprobs_on_a_folder_without_a_batched_model_are_a_400_naming_the_fix(
-        live, field, value):
-    """Structured outputs and logprobs run on the batched model (runtime/grammar.py,
-    runtime/logprobs.py); these engines have none."""
+def test_structured_outputs_and_logprobs_run_on_a_folder_without_a_batched_model(live):
+    """One engine for every folder (runtime/batch/engine.py): these engines have no batched model,
+    and their one-row graphs constrain and report logprobs on it as a batched model would."""
     r = httpx.post(live.url + "/v1/chat/completions", timeout=WAIT_S,
-                   json={"model": live.model, "messages": [{"role": "user", "content": "hi"}], field: value})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == field and "--batch" in err["message"], err
+                   json={"model": live.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                         "logprobs": True, "top_logprobs": 2, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] in ("yes", "no"), choice
+    content = choice["logprobs"]["content"]
+    assert content and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content), content
 
 
 def test_n_above_one_on_the_one_request_server_is_a_400_naming_max_num_seqs(live):

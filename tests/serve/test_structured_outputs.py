@@ -135,10 +135,14 @@ def test_the_batch_of_one_gives_the_same_constrained_answer(tiny_batch_rows_mode
         gen.generate("hi", structured={"regex": "a+"}, ignore_eos=True)
 
 
-def test_a_one_row_engine_refuses_a_grammar_naming_the_fix(tiny_batch_rows_model_engines):
+def test_the_one_row_graphs_constrain_on_the_same_engine(tiny_batch_rows_model_engines):
+    """engine="one-row" (and a folder without a batched model) runs its one-row graphs on the one
+    engine (runtime/batch/one_row.py), grammar and all."""
+    import re
     gen = SpeculativeGenerator(tiny_batch_rows_model_engines, engine="one-row")
-    with pytest.raises(GrammarError, match="--batch"):
-        gen.generate("hi", structured={"regex": "a+"})
+    for method in ("plain", "speculative"):
+        text = gen.generate("hi", max_new_tokens=12, structured={"regex": "(ab|c)+x"}, method=method).text
+        assert re.fullmatch("(ab|c)+x?", text), text
 
 
 def test_a_grammar_that_cannot_end_within_max_tokens_ends_with_length(client, live):

@@ -10,7 +10,7 @@ speedup of every draft length, and the choice (manifest `build.speculation`).
                   graph runs shorter windows padded)
     chosen        the k with the best prediction, or "plain" when none beats 1.0
 
-The runtime's adaptive policy (runtime/adaptive.py) starts from these costs and this
+The runtime's adaptive policy (runtime/batch/policy.py) starts from these costs and this
 acceptance and re-estimates the acceptance while it generates. Costs measured on the
 build machine carry to a serving machine as ratios, which is all the choice uses; a build timed
 on a busy machine records wrong ratios too (other work slows small steps more than wide ones):
@@ -72,7 +72,7 @@ def draft_acceptance(draft: dict | None) -> float | None:
 
 def plan(costs_ms: dict, acceptance: float | None, k_max: int) -> dict:
     """Predicted speedup over plain decoding for each k in 1..k_max, and the best choice."""
-    from specrt.runtime.adaptive import StepCosts
+    from specrt.runtime.costs import StepCosts
     out = {"costs_ms": costs_ms, "acceptance": acceptance, "k_max": k_max}
     if acceptance is None or "draft_decode" not in costs_ms:
         return {**out, "predicted": {}, "chosen": {"method": "plain", "k": 0, "predicted_speedup": 1.0}}

@@ -11,7 +11,7 @@ or without padding, and in a T=2 call). So a quantized target's decode graph is 
 for T=2 (manifest `tokens: 2`): a plain step feeds one token and the runtime pads the
 second row (the padding row writes its K/V one row past the length, where nothing reads
 it; the cache has a window of spare rows). Cost: ~1.1x a T=1 step. That second row is
-not wasted: a *pair round* (runtime/loop.py) puts a guessed next token there, and when the
+not wasted: a *pair round* (runtime/batch/engine.py) puts a guessed next token there, and when the
 guess is right the step emits two tokens for the price of one.
 
 `one_token_interface` wraps a T=rows graph behind a one-token signature (pad inside the

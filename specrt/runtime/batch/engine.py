@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specrt.runtime import nvtx_ranges as trace
 from specrt.runtime.batch.model import BatchModel
-from specrt.runtime.batch.policy import BatchPolicy, StepChoice
+from specrt.runtime.batch.policy import BatchPolicy, RoundKind, StepChoice
 from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row, TokenLogprob
 from specrt.runtime.choice import choose, first_mismatch
 from specrt.runtime.grammar import GrammarError
 from specrt.runtime.logprobs import token_logprob
-from specrt.runtime.rounds import RoundKind
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,9 @@ class BatchEngine:
         lo = max(len(chunk) - positions.shape[1], 0)
         np.add(self._offsets, lo, out=positions[0])
         # (a padding row, where the model pads odd calls, goes after the pending row: free)
+        trace.push("prefill")
         logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions, pad_start=0)
+        trace.pop()
         if self._own_draft:
             # the same chunk into the draft's cache row (its logits are not read: its first
             # proposal comes from the round's catch-up of the row's last token)
@@ -294,8 +296,11 @@ class BatchEngine:
         self.stats.row_steps += n
         self.stats.choices[choice.kind.value] += 1
         proposals = choice.proposals
+        t0 = time.perf_counter()           # each phase's time goes to every row in the step (Metrics)
         if choice.kind is RoundKind.DRAFT:
+            trace.push("draft")
             proposals = self._draft_own(choice) if self._own_draft else self._draft(choice)
+            trace.pop()
         else:
             # a guess (prompt lookup, a pair round's) is cut where the row's grammar forbids it
             proposals = [p[:r.req.grammar.allowed_prefix(p)] if r.req.grammar is not None and len(p) else p
@@ -308,7 +313,12 @@ class BatchEngine:
             toks[i, 0] = row.seq[-1]
             toks[i, 1:1 + len(p)] = p
             starts[i] = row.length
+        t1 = time.perf_counter()
+        trace.push("decode" if choice.kind is RoundKind.PLAIN else "verify")
         logits = self.target.step(choice.kind.graph, toks, starts, 0, pad_start=self._pad_start())   # [n, T, V]
+        trace.pop()
+        t2 = time.perf_counter()
+        trace.push("accept")
         for i, row in enumerate(rows):
             p = proposals[i]
             if row.error is not None:        # failed while its draft guessed: it leaves at the end of the step
@@ -329,6 +339,13 @@ class BatchEngine:
             row.metrics.lookup_rounds += choice.kind is RoundKind.LOOKUP and len(p) > 0
             row.metrics.plain_steps += choice.kind is RoundKind.PLAIN
             self._emit(row, p[:accepted], nxt)
+        trace.pop()
+        t3 = time.perf_counter()
+        for row in rows:
+            m = row.metrics
+            m.time_draft += t1 - t0 if choice.kind is RoundKind.DRAFT else 0.0
+            m.time_verify += t2 - t1
+            m.time_accept += t3 - t2
 
     def _verify(self, row: Row, logits: np.ndarray, proposal) -> tuple[int, int]:
         """(n accepted, the next token) of a row's round: logits [len(proposal) + 1, V] at

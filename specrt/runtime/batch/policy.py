@@ -5,34 +5,56 @@ A step runs every running row through one target pass of T tokens per row. Candi
     plain   T = the decode graph's              rate = n / c(n, T)
     pair    T = 2 (a two-row decode graph)      rate = sum_r (1 + a_pair,r [r has a guess]) / c(n, 2)
     lookup  T = the verify graph's              rate = sum_r E(a_lookup,r, g_r) / c(n, T)
-    draft   k shared-cache draft steps + verify rate = sum_r E(a_draft,r, k_r) / (k d(n) + c(n, T))
+    draft   k draft steps + verify              rate = sum_r E(a_draft,r, k_r) / (k d(n) + c(n, T))
 
 c(n, T): the target's measured step time over n rows of T tokens; d(n): a draft step over
-n rows (manifest `build.speculation.batch_costs_ms`, measured by the build). E(a, k) =
+n rows (manifest `build.speculation.batch_costs_ms`, measured by the build; a folder's one-row
+graphs, run as a batch of one, have the one-row costs `costs_ms` at n = 1: batch/one_row.py). E(a, k) =
 (1 - a^(k+1)) / (1 - a), with each row's own acceptance estimate per proposer (a Beta
-with forgetting, as runtime/adaptive.py). Guesses (prompt lookup, the 1-gram match, the
+with forgetting, runtime/costs.py). Guesses (prompt lookup, the 1-gram match, the
 n-gram table) are per row. Which step runs changes only the speed: every row emits the
 target's own choices (runtime/choice.py), so greedy output equals the request run alone and a
 seeded sample is the same whatever the batch.
 
-Without measured batch costs the policy runs plain steps only (it cannot know what pays).
+A choice by rate gathers no evidence about a proposer it passes over, so the policy probes
+(`_probe`): a lookup guess passed over a few times is verified once, and a draft not run for a
+row's probe gap drafts one round (the gap doubles while the draft does not pay).
+
+Without measured batch costs the policy runs plain steps only (it cannot know what pays), or,
+with `fixed`, fixed-k rounds (one-row graphs whose build measured no costs, `adaptive=False`).
 Costs are fixed numbers, not timed online, so the choices are reproducible.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Sequence
 
 import numpy as np
 
 from specrt.errors import ManifestError
-from specrt.runtime.adaptive import expected_tokens, manifest_cost, speculation_entry
+from specrt.runtime.costs import expected_tokens, manifest_cost, speculation_entry
 from specrt.runtime.proposers.base import Proposer
-from specrt.runtime.rounds import RoundKind
 
 NONE = np.zeros(0, np.int64)
 REBUILD = ("the manifest was edited; rebuild the engines with `specrt build ... --batch` (it measures the batched "
            "step costs)")
+
+
+class RoundKind(str, Enum):
+    """What a step verifies: nothing (PLAIN, one token a row), a draft model's k tokens (DRAFT),
+    prompt lookup's guess (LOOKUP), or one guessed token in a two-token decode graph's second
+    position (PAIR: a quantized target's, builder/gates/rows.py; a verify for a plain step's price)."""
+    PLAIN = "plain"
+    DRAFT = "draft"
+    LOOKUP = "lookup"
+    PAIR = "pair"
+
+    @property
+    def graph(self) -> str:
+        """The target graph the round runs: the decode graph for a plain step or a pair round,
+        the verify graph for a proposal of up to k_max tokens."""
+        return "decode" if self in (RoundKind.PLAIN, RoundKind.PAIR) else "verify"
 
 
 @dataclass(frozen=True)
@@ -42,6 +64,7 @@ class StepChoice:
     proposals: Sequence[np.ndarray]      # per row: the tokens to verify (empty: just `cur`)
     k: int = 0                           # draft steps (kind DRAFT; proposals are made by the engine)
     rate: float = 0.0                    # expected tokens per ms
+    probe: bool = False                  # run to test a proposer the rates passed over (_probe)
 
 
 class BatchCosts:
@@ -120,12 +143,18 @@ def _interp(by_n: dict[int, float], n: int) -> float:
 class BatchPolicy:
     def __init__(self, costs: BatchCosts | None, k_max: int, *, lookup: Proposer | None = None,
                  pair_guess: Proposer | None = None, draft: bool = False, priors: dict[str, float] | None = None,
-                 pair: bool = True):
+                 pair: bool = True, fixed: bool = False, cooldown: int = 16, max_cooldown: int = 256,
+                 lookup_cooldown: int = 4):
         """lookup: prompt lookup (per row); pair_guess: the one-token guessers after lookup's own
-        (the 1-gram match, the n-gram table); draft: a shared-cache draft model is loaded;
-        pair: the target can run a two-token decode step."""
+        (the 1-gram match, the n-gram table); draft: a draft model is loaded; pair: the target can
+        run a two-token decode step. fixed: no choice by cost (`_fixed`): every round drafts k_max
+        tokens with the draft, or without one verifies lookup's guess (a pair round for a guess
+        shorter than two tokens), else a plain step; what a build that measured no costs runs on
+        its one-row graphs, and `adaptive=False`. cooldown, max_cooldown, lookup_cooldown: how
+        often proposers the rates pass over are tried anyway (`_probe`)."""
         self.costs, self.k_max, self.lookup, self.pair_guess = costs, k_max, lookup, pair_guess
-        self.has_draft, self.has_pair = draft, pair
+        self.has_draft, self.has_pair, self.fixed = draft, pair, fixed
+        self.cooldown, self.max_cooldown, self.lookup_cooldown = cooldown, max_cooldown, lookup_cooldown
         self.priors = {"draft": 0.8, "lookup": 0.5, "pair": 0.3, **(priors or {})}
 
     def choose(self, rows, graph_t: Callable[[str, int, int], int]) -> StepChoice:
@@ -133,6 +162,8 @@ class BatchPolicy:
         n = len(rows)
         plain_t = graph_t("decode", 1, n)
         plain = StepChoice(RoundKind.PLAIN, plain_t, [NONE] * n)
+        if self.fixed:
+            return self._fixed(rows, graph_t, plain)
         if self.costs is None:
             return plain
         c = self.costs
@@ -157,11 +188,86 @@ class BatchPolicy:
                 e = sum(expected_tokens(r.accept["draft"].mean, min(k, room)) for r, room in zip(rows, rooms))
                 best = _better(best, StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k,
                                                 rate=e / (k * d + c.target(n, T))))
+        return self._probe(rows, rooms, guesses, best, graph_t, d)
+
+    def _probe(self, rows, rooms, guesses, best: StepChoice, graph_t, d: float | None) -> StepChoice:
+        """A choice by rate gathers no evidence about a proposer it passes over, so now and then
+        the policy tries it anyway. A lookup guess passed over `lookup_cooldown` times in a row is
+        verified once (matches come in runs: a passage quoted from the prompt). A draft not run
+        for a row's `probe_gap` plain steps drafts one round at the k its estimate likes best; a
+        probe after which the draft still does not pay doubles that row's gap (up to
+        `max_cooldown`), and the draft paying again resets it (observe), so a draft that never
+        pays (an int4 target's int8 self-draft costs more than a target step) costs ever fewer
+        probes. The choices stay a function of the verdicts (no clock), so a seed reproduces."""
+        n = len(rows)
+        if best.kind is not RoundKind.LOOKUP and any(len(g) for g in guesses):
+            tried = False
+            for r, g in zip(rows, guesses):
+                if len(g):
+                    r.lookup_refused += 1
+                    tried |= r.lookup_refused > self.lookup_cooldown
+            if tried:
+                for r in rows:
+                    r.lookup_refused = 0
+                return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + max(len(g) for g in guesses), n), guesses,
+                                  probe=True)
+        elif best.kind is RoundKind.LOOKUP:
+            for r in rows:
+                r.lookup_refused = 0
+        if d is not None and best.kind in (RoundKind.PLAIN, RoundKind.PAIR) and \
+                any(room and r.plain_run >= self._gap(r) for r, room in zip(rows, rooms)):
+            rates = []
+            for k in range(1, self.k_max + 1):
+                T = graph_t("verify", k + 1, n)
+                e = sum(expected_tokens(r.accept["draft"].mean, min(k, room)) for r, room in zip(rows, rooms))
+                rates.append((e / (k * d + self.costs.target(n, T)), -k, k, T))    # ties: the shorter round
+            _, _, k, T = max(rates)
+            return StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k, probe=True)
         return best
 
+    def _fixed(self, rows, graph_t, plain: StepChoice) -> StepChoice:
+        n = len(rows)
+        rooms = [max(min(self.k_max, r.room), 0) for r in rows]
+        if not any(rooms):
+            return plain
+        if self.has_draft:
+            return StepChoice(RoundKind.DRAFT, graph_t("verify", self.k_max + 1, n), [NONE] * n, k=self.k_max)
+        if self.lookup is None:
+            return plain
+        guesses = [self._guess(r.seq, room) for r, room in zip(rows, rooms)]
+        if self.has_pair and all(len(g) < 2 for g in guesses) and graph_t("decode", 2, n) == 2:
+            ones = [g if len(g) else (self._one(r.seq) if room else NONE) for r, g, room in zip(rows, guesses, rooms)]
+            if any(len(o) for o in ones):
+                return StepChoice(RoundKind.PAIR, 2, ones)
+        if any(len(g) for g in guesses):
+            return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + max(len(g) for g in guesses), n), guesses)
+        return plain
+
     def observe(self, row, kind: RoundKind, k: int, accepted: int) -> None:
+        """A row's verdict: k tokens proposed by `kind`'s proposer, `accepted` of them kept."""
+        if kind in (RoundKind.PLAIN, RoundKind.PAIR):
+            row.plain_run += 1               # no evidence about the draft
         if kind is not RoundKind.PLAIN and k:
             row.accept[kind.value].observe(k, accepted)
+        if kind is RoundKind.DRAFT:
+            probe, row.plain_run = row.plain_run >= self._gap(row), 0
+            if self._draft_pays(row):
+                row.probe_gap = self.cooldown
+            elif probe:                      # probed and the draft still does not pay: wait longer
+                row.probe_gap = min(2 * self._gap(row), self.max_cooldown)
+
+    def _gap(self, row) -> int:
+        return self.cooldown if row.probe_gap is None else row.probe_gap
+
+    def _draft_pays(self, row) -> bool:
+        """Would the draft beat a plain step for this row alone, at its best k?"""
+        c = self.costs
+        d = c.draft(1) if c is not None else None
+        if d is None or "draft" not in row.accept:
+            return True
+        a = row.accept["draft"].mean
+        plain = 1.0 / c.target(1, 1)
+        return any(expected_tokens(a, k) / (k * d + c.target(1, k + 1)) > plain for k in range(1, self.k_max + 1))
 
     def _guess(self, seq, room: int) -> np.ndarray:
         return self.lookup.propose(seq, room).tokens.copy() if room else NONE

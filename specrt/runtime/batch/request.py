@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specrt.runtime.adaptive import _Acceptance
+from specrt.runtime.costs import Acceptance
 from specrt.runtime.metrics import Metrics
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.text import TextTail
@@ -93,7 +93,10 @@ class Row:
         self.error: Exception | None = None   # set (finish "failed"): the request ends with Failed, not Done
         self.lps: list = []                   # TokenLogprob of the round's tokens, in order (req.logprobs set)
         self.metrics = req.metrics or Metrics(method="batched", k=k_max, prompt_tokens=len(req.prompt))
-        self.accept = {kind: _Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer
+        self.accept = {kind: Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer
+        # the policy's probes (policy.py _probe): plain steps since the last draft round, how many
+        # before the next probe (None: the policy's cooldown), lookup guesses passed over in a row
+        self.plain_run, self.probe_gap, self.lookup_refused = 0, None, 0
 
     @property
     def prefilled(self) -> bool:

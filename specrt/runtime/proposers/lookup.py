@@ -6,7 +6,7 @@ the last n tokens, in the prompt and the text so far; greedy verification keeps 
 the target's own, and rounds without a match need only a one-token step.
 
 `PromptLookup(n=1)` is also the *1-gram match* a pair round falls back to when the n-gram
-lookup has no guess (runtime/loop.py): the token that followed the latest earlier
+lookup has no guess (runtime/batch/engine.py): the token that followed the latest earlier
 occurrence of the last token.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from specrt.builder.gates.batch import draft_spec
 from specrt.errors import ManifestError
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.policy import BatchCosts
-from specrt.runtime.rounds import RoundKind
+from specrt.runtime.batch.policy import RoundKind
 from specrt.runtime.sampling import SamplingParams
 
 PROMPTS = ["a b a b a b a b a b", "the cat the cat the cat", "hello there", "x y z x y z x y z",

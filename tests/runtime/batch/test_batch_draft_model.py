@@ -20,7 +20,7 @@ from specrt.runtime import SpeculativeGenerator
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.policy import BatchCosts
 from specrt.runtime.one import draft_left_out
-from specrt.runtime.rounds import RoundKind
+from specrt.runtime.batch.policy import RoundKind
 from specrt.runtime.sampling import SamplingParams
 
 PROMPTS = ["a b a b a b a b a b", "the cat the cat the cat", "hello there", "x y z x y z x y z",

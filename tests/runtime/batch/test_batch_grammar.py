@@ -7,18 +7,15 @@ grammar, rows joining and leaving); constrained sampling follows the masked targ
 distribution exactly (goodness of fit)."""
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from fake_batch import toy_tokenizer_json
 from goodness_of_fit import goodness_of_fit
-from test_batch_engine import COSTS, EOS, V, Collect, make_engine
+from test_batch_engine import EOS, V, Collect, make_engine
 
 from specrt.runtime.choice import choose
 from specrt.runtime.grammar import GrammarError, Grammars, Structured
 from specrt.runtime.batch.request import Request
-from specrt.runtime.rounds import RoundKind
 from specrt.runtime.sampling import SamplingParams, probs_from_logits
 
 GRAMMARS = Grammars(toy_tokenizer_json(), [EOS], V)

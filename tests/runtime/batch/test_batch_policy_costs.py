@@ -9,7 +9,7 @@ import pytest
 
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
 from specrt.runtime.batch.request import Request, Row
-from specrt.runtime.rounds import RoundKind
+from specrt.runtime.batch.policy import RoundKind
 from specrt.runtime.sampling import SamplingParams
 
 K_MAX = 3

@@ -19,7 +19,7 @@ from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, StepChoice
 from specrt.runtime.batch.request import Delta, Done, Request
-from specrt.runtime.rounds import RoundKind
+from specrt.runtime.batch.policy import RoundKind
 from specrt.runtime.sampling import SamplingParams
 
 PROMPTS = ["a b a b a b a b a b", "the cat the cat the cat", "hello there", "x y z x y z x y z",

@@ -1,0 +1,120 @@
+"""Step costs and acceptance estimates: what the engine's policy (runtime/batch/policy.py) and
+the build's plan (builder/gates/plan.py) weigh speculation with.
+
+    E(a, k) = (1 - a^(k+1)) / (1 - a)      tokens a round of k proposals emits in expectation,
+                                            under the usual i.i.d. acceptance model (Leviathan et
+                                            al. 2023): accepted proposals plus the target's own
+    StepCosts                               the one-row build's measured steps (decode, verify,
+                                            one draft step) and the rate of a round of k drafts
+    Acceptance                              a proposer's per-token acceptance: a Beta prior (the
+                                            build's measured agreement) updated with geometric
+                                            forgetting, so a stretch the proposer cannot predict
+                                            moves the choice within a few rounds
+
+Costs are fixed numbers from the build, not timed online: which round runs decides how many
+random draws it consumes, so choices that followed wall-clock time would make a seeded sample
+differ from run to run. With fixed costs the choices are a function of the verdicts alone.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specrt.errors import ManifestError
+
+REBUILD = "the manifest was edited; rebuild the engines with this specrt (`specrt build` measures the step costs)"
+
+
+def positive_cost(v) -> bool:
+    """A step cost as a build writes it: a finite number above 0 (a bool is not a number)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def manifest_cost(v, field: str, fix: str = REBUILD) -> float:
+    """The cost at manifest field `field`, refused (ManifestError, saying `fix`) unless positive_cost."""
+    if not positive_cost(v):
+        raise ManifestError(f"{field}={v!r}: a step cost is a positive number of milliseconds; {fix}")
+    return float(v)
+
+
+def speculation_entry(speculation, key: str, fix: str = REBUILD) -> dict | None:
+    """build.speculation[key]: None when absent, a dict, or refused (ManifestError, saying `fix`)."""
+    if speculation is None:
+        return None
+    if not isinstance(speculation, dict):
+        raise ManifestError(f"build.speculation={speculation!r} is not an object; {fix}")
+    c = speculation.get(key)
+    if c is not None and not isinstance(c, dict):
+        raise ManifestError(f"build.speculation.{key}={c!r} is not an object; {fix}")
+    return c
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one round emits in expectation: accepted draft tokens plus the target's one."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds (or any one unit) per step: the target's one-token graph, its verify pass
+    (window k_max + 1) and one draft step."""
+    decode: float
+    verify: float
+    draft: float
+
+    def __post_init__(self):
+        for name in ("decode", "verify", "draft"):
+            v = getattr(self, name)
+            if not positive_cost(v):
+                raise ValueError(f"step cost {name}={v!r} must be a positive finite number")
+
+    @classmethod
+    def from_manifest(cls, speculation: dict | None) -> "StepCosts | None":
+        """The build's measured costs (`build.speculation.costs_ms`), or None when absent or
+        without a draft (a build without one times the target alone). A damaged value is
+        refused here, when the engines are opened (ManifestError), not in the decode loop."""
+        c = speculation_entry(speculation, "costs_ms") or {}
+        where = "build.speculation.costs_ms"
+        names = ("target_decode", "target_verify", "draft_decode")
+        got = {k: manifest_cost(c[k], f"{where}.{k}") for k in names if k in c}
+        if "draft_decode" not in got:
+            return None
+        missing = [k for k in names if k not in got]
+        if missing:
+            raise ManifestError(f"{where} has draft_decode without {', '.join(missing)}; {REBUILD}")
+        return cls(decode=got["target_decode"], verify=got["target_verify"], draft=got["draft_decode"])
+
+    def rate(self, a: float, k: int) -> float:
+        """Expected tokens per unit time of a round with k drafts (k = 0: a plain step)."""
+        if k == 0:
+            return 1.0 / self.decode
+        return expected_tokens(a, k) / (k * self.draft + self.verify)
+
+    def best_k(self, a: float, k_max: int, *, allow_plain: bool = True) -> int:
+        ks = range(0 if allow_plain else 1, k_max + 1)
+        return max(ks, key=lambda k: (self.rate(a, k), -k))   # ties: the shorter round
+
+    def predicted_speedup(self, a: float, k: int) -> float:
+        """Over plain decoding, for a fixed k (the bench's `pred` column)."""
+        return self.rate(a, k) * self.decode
+
+
+class Acceptance:
+    """Beta(successes + 1, failures + 1) over per-token acceptance, forgotten geometrically."""
+
+    def __init__(self, prior: float, weight: float, forget: float):
+        prior = min(max(prior, 0.05), 0.95)     # a build's agreement can be 0 or 1 on few prompts
+        self.successes, self.failures, self.forget = prior * weight, (1.0 - prior) * weight, forget
+
+    @property
+    def mean(self) -> float:
+        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+
+    def observe(self, k: int, accepted: int) -> None:
+        # the first rejection ends the round: `accepted` successes, then one failure if any
+        self.successes = self.forget * self.successes + accepted
+        self.failures = self.forget * self.failures + (1 if accepted < k else 0)
