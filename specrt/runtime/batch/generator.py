@@ -305,7 +305,9 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
     `max_num_seqs` requests at once; each step runs every running row one round and
-    prefills one chunk of the next request.
+    prefills one chunk of the next request. A folder without a batched model (no `--batch`, the
+    GPU builds) opens with max_num_seqs=1: its one-row graphs on the same engine, one request at
+    a time (batch/one_row.py), the tokens SpeculativeGenerator gives.
 
     The round is chosen per step by measured cost (policy.py: plain, a pair round, prompt
     lookup) when the build showed that a position's logits do not depend on the window they
@@ -345,9 +347,12 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     backend.check_device(man)      # as SpeculativeGenerator: another device or CPU int8 path is refused
     mf.check_files(man, root)
     entry = man.batch
+    if entry is None and max_num_seqs == 1 and buckets is None:
+        return _one_row(root, man, backend, threads, verify, speculate)
     if entry is None:
         raise ConfigError(f"{root} has no batched model: rebuild it with `specrt build ... --batch` to serve many "
-                          "requests on one engine, or serve it with --workers N (one request per engine copy)")
+                          "requests on one engine, or open it with max_num_seqs=1 (its one-row graphs, one request at "
+                          "a time), or serve it with --workers N (one request per engine copy)")
     check_batch_entry(entry)
     inv = entry.parity.get("batch_invariance") or {}
     if inv.get("equal") is not True:
@@ -382,6 +387,25 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,
                          draft=draft)
     engine.grammars = grammars
+    return engine, tok
+
+
+def _one_row(root, man, backend, threads: int, verify: str, speculate: bool):
+    """A folder without a batched model (no --batch, the GPU builds): its one-row graphs as the
+    engine's model, one row (batch/one_row.py), with the rounds SpeculativeGenerator runs there."""
+    from specrt import manifest as mf
+    from specrt.runtime.batch.one_row import one_row_engine, open_one_row
+    from specrt.runtime.batch.policy import BatchPolicy
+    from specrt.runtime.tokenizer import Tokenizer
+    check = mf.HashCheck(man, root) if verify == "full" else None
+    tok = Tokenizer(root, man.tokenizer)
+    target, draft = open_one_row(root, man, backend, threads=threads, draft=speculate)
+    if check is not None:
+        check.result()
+    engine, fixed = one_row_engine(root, man, target, draft, tok)
+    engine.policy.fixed = fixed                # no measured costs: fixed-k rounds, as the single stream runs
+    if not speculate:
+        engine.policy = BatchPolicy(None, man.shapes.k)
     return engine, tok
 
 

@@ -122,9 +122,26 @@ def test_requests_from_many_threads(gen, alone):
     assert out == alone
 
 
-def test_engines_without_a_batched_model_are_refused_with_the_fix(tiny_int4_engines):
-    with pytest.raises(ConfigError, match="--batch"):
+def test_engines_without_a_batched_model_are_refused_more_than_one_row_with_the_fix(tiny_int4_engines):
+    with pytest.raises(ConfigError, match="--batch.*max_num_seqs=1"):
         open_batch(tiny_int4_engines)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_int4_engines", "tiny_truncated_engines"])
+def test_a_folder_without_a_batched_model_opens_as_one_row_with_the_generators_answers(request, fixture):
+    """open_batch(max_num_seqs=1) on a folder without a batched model: its one-row graphs on the
+    same engine (batch/one_row.py), from any thread, with SpeculativeGenerator's tokens, greedy and
+    seeded, and the draft (int8 over the target's cache, or a draft model with its own) used."""
+    folder = request.getfixturevalue(fixture)
+    gen = SpeculativeGenerator(folder)
+    seeded = SamplingParams(temperature=0.8, seed=5)
+    want = {name: [gen.generate(p, max_new_tokens=NEW, sampling=sp).tokens for p in PROMPTS]
+            for name, sp in (("greedy", SamplingParams()), ("seeded", seeded))}
+    with open_batch(folder, max_num_seqs=1) as g:
+        got = {name: [c.tokens for c in g.generate_batch(PROMPTS, max_new_tokens=NEW, sampling=sp)]
+               for name, sp in (("greedy", SamplingParams()), ("seeded", seeded))}
+        assert g.engine.stats.choices["draft"] > 0
+    assert got == want
 
 
 def test_a_manifest_that_does_not_show_invariance_is_refused(tiny_batch_same_engines, tmp_path):
