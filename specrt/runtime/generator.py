@@ -155,7 +155,8 @@ class SpeculativeGenerator(TextStreaming):
             raise ConfigError("adaptive=True needs the step costs a build measures (manifest "
                               "build.speculation.costs_ms), and these engines have none: rebuild them with "
                               "this specrt, or pass adaptive=False")
-        self.one = BatchOfOne(engine, self.tokenizer, k=self.k, fixed=fixed)
+        self.one = BatchOfOne(engine, self.tokenizer, k=self.k, fixed=fixed, one_row=True)
+        self._plain_graph = "decode" in graphs
         self.vocab = int(man.target.dims["vocab"])
         self.costs = engine.policy.costs
         self.adaptive = self.costs is not None and not fixed     # rounds chosen by measured cost
@@ -253,7 +254,7 @@ class SpeculativeGenerator(TextStreaming):
         grammar, logprobs = None, check_logprobs(logprobs)
         if structured is not None:
             grammar = matcher(self.one.engine.grammars, structured, ignore_eos)
-        fixed = False
+        fixed = None                 # the instance's setting
         if adaptive is not None:
             if adaptive not in (True, False):
                 raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
@@ -264,7 +265,10 @@ class SpeculativeGenerator(TextStreaming):
                 raise ConfigError("adaptive=True needs the step costs a build measures (manifest "
                                   "build.speculation.costs_ms), and these engines have none: rebuild them with "
                                   "this specrt, or pass adaptive=False")
-            fixed = adaptive is False
+            if adaptive and self.target is not None and not self._plain_graph:
+                raise ConfigError("adaptive=True falls back to plain decoding steps, so it needs the target's "
+                                  "one-token graph: include 'plain' in methods")
+            fixed = adaptive is False if self.target is not None else None
         return self._tokens(prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs)
 
     def _tokens(self, prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs) \

@@ -23,8 +23,8 @@ class Metrics:
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_verify: float = 0.0        # target passes (verify, or decode for plain)
-    plain_steps: int = 0            # adaptive k: rounds that fell back to a plain decode step
-    lookup_rounds: int = 0          # adaptive k: rounds that verified prompt lookup's guess, not a draft's
+    plain_steps: int = 0            # rounds that were a plain decode step (no proposal)
+    lookup_rounds: int = 0          # rounds that verified prompt lookup's guess, not a draft's
     pair_rounds: int = 0            # rounds that verified one guessed token in the decode graph's second row
     time_accept: float = 0.0
     time_total: float = 0.0

@@ -19,6 +19,11 @@ pair rounds). A draft model or truncate:N runs inside the batch with its own cac
 (models.batch_draft).
 The one-row graphs of such a folder are not loaded (`engine="one-row"` loads them: `specrt
 bench` and `specrt profile` time them, and answers may then differ from the server's).
+
+A folder without a batched model (no `--batch`, the GPU builds), and `engine="one-row"`, run
+the folder's one-row graphs on the same engine, one row (runtime/batch/one_row.py): rounds by
+the build's one-row costs, or fixed-k rounds where it measured none (or with an explicit k, or
+`adaptive=False`); `method="lookup"` verifies every guess there.
 """
 from __future__ import annotations
 
@@ -78,8 +83,8 @@ class BatchOfOne:
     the batched model's (`open`), or a folder's one-row graphs (batch/one_row.py). fixed: the
     engine's rounds are fixed-k (a one-row build that measured no step costs)."""
 
-    def __init__(self, engine, tokenizer, *, k: int, fixed: bool = False):
-        self.engine, self.tokenizer = engine, tokenizer
+    def __init__(self, engine, tokenizer, *, k: int, fixed: bool = False, one_row: bool = False):
+        self.engine, self.tokenizer, self.one_row = engine, tokenizer, one_row
         # the engine emits every token (EOS too): the caller stops, as with SpeculativeGenerator.tokens
         self.engine.tokenizer, self.engine.eos = None, frozenset()
         self.full, self.k, self.fixed = engine.policy, k, fixed
@@ -91,11 +96,14 @@ class BatchOfOne:
         engine, tokenizer = batch_engine(root, max_num_seqs=1, threads=threads, verify=verify)
         return cls(engine, tokenizer, k=k)
 
-    def policy(self, method: Method, ngram: int, fixed: bool = False) -> BatchPolicy:
+    def policy(self, method: Method, ngram: int, fixed: bool | None = None) -> BatchPolicy:
         """The round choices of one request (the engine runs one request at a time). fixed: every
-        round drafts k (or verifies lookup's guess) whatever the costs (`adaptive=False`)."""
+        round drafts k (or verifies lookup's guess) whatever the costs (`adaptive=False`); False:
+        rounds by cost (`adaptive=True`); None: the instance's setting. On one-row graphs
+        `method="lookup"` verifies every guess, as it always has there."""
         full = self.full
-        fixed = fixed or self.fixed
+        fixed = self.fixed if fixed is None else fixed
+        fixed = fixed or (self.one_row and method is Method.LOOKUP)
         if method is Method.PLAIN or (full.costs is None and not fixed):
             return BatchPolicy(None, self.k)
         lookup = PromptLookup(ngram, self.k) if ngram else None
@@ -104,7 +112,7 @@ class BatchOfOne:
                            pair=full.has_pair, fixed=fixed)
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling, seed: int, m: Metrics, method: Method,
-               ngram: int, grammar=None, logprobs: int | None = None, fixed: bool = False) -> Iterator[Emitted]:
+               ngram: int, grammar=None, logprobs: int | None = None, fixed: bool | None = None) -> Iterator[Emitted]:
         """Yield the request's tokens as they become final, counting them into `m` (the
         caller's last_metrics; its finish_reason is the engine's, or what a caller that stopped
         early set)."""

@@ -118,6 +118,17 @@ def test_a_bad_stretch_moves_the_choice_to_plain_and_a_probe_comes_back():
     assert rounds == ["plain"] * 5 + ["draft"], rounds
 
 
+def test_the_probes_verdict_prices_a_draft_round_as_the_choice_does():
+    """Whether the draft pays after a probe (observe: reset or double the gap) uses the window the
+    round really runs (the one-row verify graph's static T), as choose() does: a draft that choose()
+    passes over does not 'pay' because a short window was priced at a plain step's cost."""
+    p, row = _policy(StepCosts(decode=1.0, verify=1.3, draft=0.5), prior=0.63)
+    assert _choose(p, row) == ("plain", 0)
+    assert not p._draft_pays(row)
+    cheap, row = _policy(StepCosts(decode=1.0, verify=1.3, draft=0.05), prior=0.63)
+    assert _choose(cheap, row)[0] == "draft" and cheap._draft_pays(row)
+
+
 def test_the_budget_caps_k_and_no_room_is_a_plain_step():
     p, _ = _policy(StepCosts(1.0, 1.1, 0.05), prior=0.95, lookup=3)
     assert _choose(p, _row(p, 3)) == ("draft", 2)      # room for 2 proposals (and the target's token)
@@ -228,6 +239,17 @@ def test_adaptive_is_off_for_an_explicit_k_without_costs_or_when_asked(costly_dr
     _tokens(g, PROMPTS[1], 30)
     # every round drafts k, however costly; at most the last token is a plain step (no room to draft)
     assert g.last_metrics.plain_steps <= 1 and g.last_metrics.drafted >= 3 * 27, g.last_metrics.as_dict()
+
+
+def test_a_calls_adaptive_overrides_an_explicit_k(costly_draft):
+    g = SpeculativeGenerator(costly_draft, k=2)            # an explicit k: fixed rounds by default
+    _tokens(g, PROMPTS[1], 40)
+    assert g.last_metrics.plain_steps <= 1
+    _tokens(g, PROMPTS[1], 40, adaptive=True)             # this call by cost: the costly draft falls back
+    assert g.last_metrics.plain_steps > 20, g.last_metrics.as_dict()
+    spec_only = SpeculativeGenerator(costly_draft, methods=("speculative",))
+    with pytest.raises(ConfigError, match="plain"):
+        spec_only.tokens(PROMPTS[1], adaptive=True)
 
 
 def test_adaptive_refuses_what_it_cannot_do(costly_draft, tiny_engines):

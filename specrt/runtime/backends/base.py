@@ -1,4 +1,4 @@
-"""The seam between the loop and a backend: what the loop needs, typed, and a registry
+"""The seam between the engine and a backend: what the engine needs, typed, and a registry
 that picks the backend a manifest was built for.
 
     manifest.device {"backend": "onnxruntime", "kind": "cpu", ...}
@@ -6,14 +6,16 @@ that picks the backend a manifest was built for.
               ├─ check_device(manifest)        refuses engines built elsewhere, says what to rebuild
               ├─ open_model(root, entry, shapes, cache=..., graphs=..., ...) ─► ModelRunner
               │     .step(graph, tokens, start) -> logits [n, V] (host, reused buffer)
-              │     .argmax_step(graph, tokens, start, out)  greedy: n integers, no logits rows
+              │     .argmax_step(graph, tokens, start, out)  greedy: n integers (tools; the engine
+              │                                              reads logits: choices, grammars, logprobs)
               │     .cache: Cache (.length, .capacity, .rewind_to(n))
+              │     the engine runs it as a BatchModel of one row (runtime/batch/one_row.py)
               └─ open_batch(root, entry, shapes, rows=..., ...) ─► BatchModel (runtime/batch/model.py)
                     the batched engine's model over a cache of many rows; None: the backend
                     has no batched runner (open_batch refuses such a folder, naming the fix)
 
-The loop sees only ModelRunner and Cache. A device backend (ONNX Runtime CUDA,
-TensorRT) keeps its KV on the device and implements the same two protocols; a
+The engine sees only BatchModel (a ModelRunner through OneRowModel). A device backend (ONNX
+Runtime CUDA, TensorRT) keeps its KV on the device and implements the same two protocols; a
 draft that reads its target's cache says so with `shares_cache`, never by identity.
 """
 from __future__ import annotations

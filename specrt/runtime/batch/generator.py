@@ -347,7 +347,10 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     backend.check_device(man)      # as SpeculativeGenerator: another device or CPU int8 path is refused
     mf.check_files(man, root)
     entry = man.batch
-    if entry is None and max_num_seqs == 1 and buckets is None:
+    if entry is None and buckets is not None:
+        raise ConfigError(f"{root} has no batched model, so it has no row buckets: rebuild it with `specrt build ... "
+                          "--batch`, or open it without buckets")
+    if entry is None and max_num_seqs == 1:
         return _one_row(root, man, backend, threads, verify, speculate)
     if entry is None:
         raise ConfigError(f"{root} has no batched model: rebuild it with `specrt build ... --batch` to serve many "
@@ -392,17 +395,25 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
 
 def _one_row(root, man, backend, threads: int, verify: str, speculate: bool):
     """A folder without a batched model (no --batch, the GPU builds): its one-row graphs as the
-    engine's model, one row (batch/one_row.py), with the rounds SpeculativeGenerator runs there."""
+    engine's model, one row (batch/one_row.py), its rounds chosen as SpeculativeGenerator's
+    default method chooses them (the tokens are the same whatever the rounds)."""
     from specrt import manifest as mf
+    from specrt.errors import BackendError, GraphFileError
     from specrt.runtime.batch.one_row import one_row_engine, open_one_row
     from specrt.runtime.batch.policy import BatchPolicy
     from specrt.runtime.tokenizer import Tokenizer
     check = mf.HashCheck(man, root) if verify == "full" else None
     tok = Tokenizer(root, man.tokenizer)
-    target, draft = open_one_row(root, man, backend, threads=threads, draft=speculate)
+    graphs = ("prefill", "decode", "verify") if speculate else ("prefill", "decode")
+    try:
+        target, draft = open_one_row(root, man, backend, threads=threads, draft=speculate, graphs=graphs)
+    except (GraphFileError, BackendError):
+        if check is not None:        # a damaged file explains a load failure better than ONNX Runtime's message
+            check.result()
+        raise
     if check is not None:
         check.result()
-    engine, fixed = one_row_engine(root, man, target, draft, tok)
+    engine, fixed = one_row_engine(root, man, target, draft, tok, graphs)
     engine.policy.fixed = fixed                # no measured costs: fixed-k rounds, as the single stream runs
     if not speculate:
         engine.policy = BatchPolicy(None, man.shapes.k)

@@ -160,6 +160,7 @@ class BatchPolicy:
     def choose(self, rows, graph_t: Callable[[str, int, int], int]) -> StepChoice:
         """graph_t(graph, tokens wanted per row, rows) -> T the step will run."""
         n = len(rows)
+        self._graph_t = graph_t                  # _draft_pays prices windows as choose does
         plain_t = graph_t("decode", 1, n)
         plain = StepChoice(RoundKind.PLAIN, plain_t, [NONE] * n)
         if self.fixed:
@@ -266,8 +267,10 @@ class BatchPolicy:
         if d is None or "draft" not in row.accept:
             return True
         a = row.accept["draft"].mean
-        plain = 1.0 / c.target(1, 1)
-        return any(expected_tokens(a, k) / (k * d + c.target(1, k + 1)) > plain for k in range(1, self.k_max + 1))
+        graph_t = getattr(self, "_graph_t", None) or (lambda graph, want, n: want)
+        plain = 1.0 / c.target(1, graph_t("decode", 1, 1))
+        return any(expected_tokens(a, k) / (k * d + c.target(1, graph_t("verify", k + 1, 1))) > plain
+                   for k in range(1, self.k_max + 1))
 
     def _guess(self, seq, room: int) -> np.ndarray:
         return self.lookup.propose(seq, room).tokens.copy() if room else NONE
