@@ -118,6 +118,23 @@ def test_a_bad_stretch_moves_the_choice_to_plain_and_a_probe_comes_back():
     assert rounds == ["plain"] * 5 + ["draft"], rounds
 
 
+def test_in_a_batch_a_probe_waits_until_every_row_is_due():
+    """A probe makes every row of the step pay for the draft's steps and the verify window, so in a
+    batch it runs only when every row that could draft is due (one row: AdaptiveK's rule)."""
+    p, a = _policy(StepCosts(decode=5.6, verify=10.0, draft=8.3), prior=0.68, cooldown=4)
+    b = _row(p, 64)
+
+    def kind():
+        return p.choose([a, b], _graph_t).kind.value
+    a.plain_run, b.plain_run = 4, 1
+    assert kind() == "plain"
+    b.plain_run = 4
+    assert kind() == "draft"
+    b.budget = b.emitted + 1             # a row with no room to draft takes no part
+    b.plain_run = 0
+    assert kind() == "draft"
+
+
 def test_the_probes_verdict_prices_a_draft_round_as_the_choice_does():
     """Whether the draft pays after a probe (observe: reset or double the gap) uses the window the
     round really runs (the one-row verify graph's static T), as choose() does: a draft that choose()

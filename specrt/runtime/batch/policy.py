@@ -199,15 +199,16 @@ class BatchPolicy:
         probe after which the draft still does not pay doubles that row's gap (up to
         `max_cooldown`), and the draft paying again resets it (observe), so a draft that never
         pays (an int4 target's int8 self-draft costs more than a target step) costs ever fewer
-        probes. The choices stay a function of the verdicts (no clock), so a seed reproduces."""
+        probes. In a batch a probe runs for every row, so it waits until every row that could
+        take part is due (one row: AdaptiveK's rule). The choices stay a function of the verdicts
+        (no clock), so a seed reproduces."""
         n = len(rows)
         if best.kind is not RoundKind.LOOKUP and any(len(g) for g in guesses):
-            tried = False
             for r, g in zip(rows, guesses):
                 if len(g):
                     r.lookup_refused += 1
-                    tried |= r.lookup_refused > self.lookup_cooldown
-            if tried:
+            # every row with a guess is due: a probe makes the whole batch pay a verify window
+            if all(r.lookup_refused > self.lookup_cooldown for r, g in zip(rows, guesses) if len(g)):
                 for r in rows:
                     r.lookup_refused = 0
                 return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + max(len(g) for g in guesses), n), guesses,
@@ -215,8 +216,8 @@ class BatchPolicy:
         elif best.kind is RoundKind.LOOKUP:
             for r in rows:
                 r.lookup_refused = 0
-        if d is not None and best.kind in (RoundKind.PLAIN, RoundKind.PAIR) and \
-                any(room and r.plain_run >= self._gap(r) for r, room in zip(rows, rooms)):
+        due = [r.plain_run >= self._gap(r) for r, room in zip(rows, rooms) if room]
+        if d is not None and best.kind in (RoundKind.PLAIN, RoundKind.PAIR) and due and all(due):
             rates = []
             for k in range(1, self.k_max + 1):
                 T = graph_t("verify", k + 1, n)
