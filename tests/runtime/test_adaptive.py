@@ -220,8 +220,7 @@ def test_falling_back_to_plain_keeps_greedy_output_identical(costly_draft, promp
     plain = _tokens(g, prompt, 40, "plain")
     assert _tokens(g, prompt, 40) == plain
     m = g.last_metrics
-    assert m.plain_steps > 20, m.as_dict()            # the policy fell back
-    assert m.drafted > 0                              # and probed now and then
+    assert m.plain_steps > 20, m.as_dict()            # the policy fell back (probes: the policy tests)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

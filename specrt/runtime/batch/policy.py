@@ -17,8 +17,9 @@ target's own choices (runtime/choice.py), so greedy output equals the request ru
 seeded sample is the same whatever the batch.
 
 A choice by rate gathers no evidence about a proposer it passes over, so the policy probes
-(`_probe`): a lookup guess passed over a few times is verified once, and a draft not run for a
-row's probe gap drafts one round (the gap doubles while the draft does not pay).
+(`_probe`): a draft not run for a row's probe gap (64 plain steps) drafts one round (the gap
+doubles while the draft does not pay); lookup guesses passed over can be retried too (off by
+default: measured not to pay).
 
 Without measured batch costs the policy runs plain steps only (it cannot know what pays), or,
 with `fixed`, fixed-k rounds (one-row graphs whose build measured no costs, `adaptive=False`).
@@ -194,7 +195,7 @@ class BatchPolicy:
     def _probe(self, rows, rooms, guesses, best: StepChoice, graph_t, d: float | None) -> StepChoice:
         """A choice by rate gathers no evidence about a proposer it passes over, so now and then
         the policy tries it anyway. A lookup guess passed over `lookup_cooldown` times in a row is
-        verified once (matches come in runs: a passage quoted from the prompt). A draft not run
+        verified once (matches come in runs: a passage quoted from the prompt; None: never). A draft not run
         for a row's `probe_gap` plain steps drafts one round at the k its estimate likes best; a
         probe after which the draft still does not pay doubles that row's gap (up to
         `max_cooldown`), and the draft paying again resets it (observe), so a draft that never
