@@ -3,6 +3,7 @@
     make bench-concurrency                        # venvs, peer models, llama-server, then the sweep
     .venv/bin/python benchmarks/concurrency.py [--systems a,b] [--clients 1,8] [--prompts 4] [--json F] [--rounds 3]
         [--specrt-serve-args '--workers 1 --queue-size 64'] [--specrt-serve-args-alt '--max-num-seqs {clients}']
+        [--specrt-checkout-alt /tmp/old]
     .venv/bin/python benchmarks/concurrency.py --list
 
 The same requests for every system: the first --prompts held-out prompts of
@@ -133,8 +134,9 @@ def pick(names: str | None, alt: bool) -> list[System]:
 def make_runner(s: System, a, log_dir: Path):
     from runners import GenaiBatches, LlamaServer, OpenVINOBatching, SpecrtBatched, SpecrtServer, SpecrtStream
     if s.kind == "specrt-server":
-        return SpecrtServer(s.name, s.path, a.specrt_serve_args_alt if s.name.endswith("-alt") else a.specrt_serve_args,
-                            a.threads, log_dir)
+        alt = s.name.endswith("-alt")
+        return SpecrtServer(s.name, s.path, a.specrt_serve_args_alt if alt else a.specrt_serve_args,
+                            a.threads, log_dir, checkout=a.specrt_checkout_alt if alt else None)
     return {"specrt-stream": lambda: SpecrtStream(s.name, s.path, a.threads),
             "specrt-batch": lambda: SpecrtBatched(s.name, s.path, a.threads),
             "genai": lambda: GenaiBatches(s.name, s.path, PEERS_PYTHON, a.threads),
@@ -251,6 +253,9 @@ def main(argv=None) -> int:
                          "(then restarted per level), e.g. '--max-num-seqs {clients} --queue-size 64'")
     ap.add_argument("--specrt-serve-args-alt", default="",
                     help="a second server command line, run as specrt-fp32-alt/-int4-alt in the same sweep")
+    ap.add_argument("--specrt-checkout-alt", default=None,
+                    help="run the -alt servers from this checkout of specrt (its PYTHONPATH), e.g. an older commit "
+                         "from `git archive REV | tar -x -C /tmp/old`: the same engines, two versions, one sweep")
     ap.add_argument("--prompt-file", help="a .jsonl or text prompt file (default: the shipped prompts.jsonl)")
     ap.add_argument("--log-dir", default=str(ROOT / ".cache/peers/logs"), help="the servers' output")
     ap.add_argument("--json", help="write everything (per-request times and answers included) here")

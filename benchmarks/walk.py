@@ -1,7 +1,7 @@
 """The walk of one request through specrt's files, from the HTTP handler to the ONNX Runtime call
 and back: how many files a reader enters and how often the path comes back to a file it left.
 
-    .venv/bin/python benchmarks/walk.py artifacts/smollm2 [--max-num-seqs 8] [--engine auto|one-row]
+    .venv/bin/python benchmarks/walk.py artifacts/smollm2 [--max-num-seqs 8]
         [--max-tokens 4] [--show]
 
 Builds the app `specrt serve` runs (in process, no socket), sends one warm-up request, then
@@ -98,22 +98,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("engines")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the batched server (default: one request per worker)")
-    p.add_argument("--engine", choices=("auto", "one-row"), default="auto",
-                   help="one-request server: the folder's batch of one (auto) or its one-row graphs")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--show", action="store_true", help="print the walk, one stay per line")
     a = p.parse_args(argv)
 
-    factory = None
-    if a.max_num_seqs is None and a.engine == "one-row":
-        from specrt.serve.workers import load_generator
-
-        def factory(engines, **kw):       # the server's own generator, on the one-row graphs
-            return load_generator(engines, engine="one-row", **kw)
     rec = Recorder()
     sys.setprofile(rec.hook)
     threading.setprofile(rec.hook)
-    app, pool = build_app(ServeConfig(a.engines, max_num_seqs=a.max_num_seqs), factory)
+    app, pool = build_app(ServeConfig(a.engines, max_num_seqs=a.max_num_seqs))
     pool.start()
     body = {"model": ServeConfig(a.engines).served_name, "temperature": 0, "max_tokens": a.max_tokens,
             "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
@@ -137,7 +129,7 @@ def main(argv=None) -> int:
     for tid, f in rec.events:           # each thread's walk, threads in the order they joined in
         threads.setdefault(tid, []).append(f)
     walks = [stays(fs) for fs in threads.values()]
-    mode = f"--max-num-seqs {a.max_num_seqs}" if a.max_num_seqs else f"one request per worker, engine={a.engine}"
+    mode = f"--max-num-seqs {a.max_num_seqs}" if a.max_num_seqs else "one row"
     print(f"{a.engines} ({mode}), {a.max_tokens} tokens: {out['choices'][0]['message']['content']!r}")
     print(f"threads {len(walks)}, stays {sum(map(len, walks))}, returns {sum(map(returns, walks))}, "
           f"files entered {len({f for w in walks for f in w})}")

@@ -237,7 +237,8 @@ def fuzz(engines: Path, cases: int, seed: int = 0, max_num_seqs: int | None = No
     by_status = Counter()
     for (_, status), n in tally.items():
         by_status[status] += n
-    return {"server": health["method"], "cases": sum(tally.values()), "statuses": dict(sorted(by_status.items())),
+    server = {"method": health["method"], "rows": [w["max_num_seqs"] for w in health["workers"]]}
+    return {"server": server, "cases": sum(tally.values()), "statuses": dict(sorted(by_status.items())),
             "by_kind": {f"{k} {s}": n for (k, s), n in sorted(tally.items(), key=str)},
             "rss_mib_before": health["rss_mib"], "rss_mib_after": rss1, "seconds": round(seconds, 1),
             "server_exit": code, "schemathesis": note, "findings": findings}

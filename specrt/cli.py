@@ -393,11 +393,11 @@ def make_parser() -> argparse.ArgumentParser:
     sv.add_argument("engines", help="folder written by `specrt build`")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
-    sv.add_argument("--workers", type=int, default=1, help="generations at once; each loads its own engines")
+    sv.add_argument("--workers", type=int, default=1, help="copies of the engine, each with its own weights")
     sv.add_argument("--max-num-seqs", type=int, metavar="N",
-                    help="one batched engine decodes up to N requests at once on one copy of the weights (engines "
-                         "built with `specrt build --batch`); instead of --workers")
-    sv.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a worker (then 429)")
+                    help="rows of each copy: up to N requests decoding at once on one copy of the weights (engines "
+                         "built with `specrt build --batch`; default 1)")
+    sv.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a row (then 429)")
     sv.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queueing included")
     sv.add_argument("--memory", choices=("fast", "shared"), default="fast",
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
@@ -430,7 +430,7 @@ def make_parser() -> argparse.ArgumentParser:
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
     tr.add_argument("--max-num-seqs", type=int, metavar="N", help="one batched engine per instance decodes up to N "
                     "requests at once (engines built with `specrt build --batch`; --instances 1 is then right)")
-    tr.add_argument("--queue-size", type=int, default=8, help="with --max-num-seqs: requests that may wait for a row")
+    tr.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a row of an instance")
     tr.add_argument("--copy-engines", action="store_true",
                     help="copy the engines into the repository (default: refer to their absolute path)")
     tr.add_argument("--force", action="store_true",

@@ -87,9 +87,12 @@ class SpecrtServer(_Server):
     health = "/health"
     env = {"PYTHONPATH": str(ROOT)}             # this checkout's specrt, whatever the venv installed
 
-    def __init__(self, name: str, engines: Path, serve_args: str, threads: int, log_dir: Path):
+    def __init__(self, name: str, engines: Path, serve_args: str, threads: int, log_dir: Path,
+                 checkout: str | Path | None = None):
         super().__init__(log_dir)
         self.name, self.engines, self.serve_args, self.threads = name, engines, serve_args, threads
+        if checkout is not None:        # another checkout's specrt (an A/B of two versions)
+            self.env = {"PYTHONPATH": str(Path(checkout).resolve())}
 
     def command(self, clients, port):
         return [sys.executable, "-m", "specrt.cli", "serve", str(self.engines), "--port", str(port),

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over `SpeculativeGenerator` (`specrt serve`).
+"""An OpenAI-compatible HTTP server over the decode engine (runtime/batch/; `specrt serve`).
 
 The HTTP layer is a thin adapter; each concern lives in its own small module
 (as vLLM's `entrypoints/openai` does):
@@ -6,8 +6,9 @@ The HTTP layer is a thin adapter; each concern lives in its own small module
     errors.py      `RequestError` and its kinds: the HTTP status and OpenAI error fields
     protocol.py    request types (pydantic) and the response/SSE bodies
     validation.py  a parsed request -> `GenerationRequest` (token ids, SamplingParams), or a 400
-    workers.py     `EnginePool`: N worker threads, each owning its own generator, behind a
-                   bounded queue; chunks reach the async handler through the event loop
+    pool.py        `EnginePool`: C copies of the engine (open_batch), N rows each, behind one
+                   bounded queue; the engine's events reach the async handler through the
+                   event loop
     metrics.py     the Prometheus collectors behind /metrics
     app.py         the FastAPI routes (completions, chat, models, health, metrics)
     server.py      `ServeConfig` and `serve()`: uvicorn, SIGTERM drains and exits 0

@@ -1,4 +1,5 @@
-"""The FastAPI routes: a thin adapter from HTTP to `EnginePool` jobs.
+"""The FastAPI routes: a thin adapter from HTTP to `EnginePool` jobs (pool.py), whose events
+are the engine's own (Delta, Done, Failed of runtime/batch/request.py).
 
     POST /v1/completions, /v1/chat/completions   stream (SSE, ends with `data: [DONE]`) or not
     GET  /v1/models, /health, /metrics
@@ -30,7 +31,8 @@ from specrt.serve import protocol as p
 from specrt.serve.errors import RequestError
 from specrt.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specrt.serve.validation import GenerationRequest, Validator
-from specrt.serve.workers import Delta, Done, EnginePool, Failed, Job, rss_mib
+from specrt.runtime.batch.request import Delta, Done, Failed
+from specrt.serve.pool import FINISH_REASONS, EnginePool, Job, done_metrics, rss_mib
 
 log = logging.getLogger("specrt.serve")
 DISCONNECT_POLL_S = 0.25        # how often a non-streaming request checks that its client is still there
@@ -49,25 +51,28 @@ class _Reader:
         self.last_t: float | None = None
 
     async def next(self, poll: float | None = None):
-        """The next event; None when `poll` seconds pass first; _Timeout past the deadline."""
+        """The next (sample index, event); (0, None) when `poll` seconds pass first; _Timeout past
+        the deadline."""
         left = self.deadline - time.perf_counter()
         if left <= 0:
             raise _Timeout
         try:
-            ev = await asyncio.wait_for(self.job.events.get(), min(left, poll or left))
+            index, ev, t = await asyncio.wait_for(self.job.events.get(), min(left, poll or left))
         except asyncio.TimeoutError:
             if poll and left > poll:
-                return None
+                return 0, None
             raise _Timeout from None
         if isinstance(ev, Delta) and ev.tokens:
             if self.last_t is None:
-                self.metrics.ttft.observe(ev.t - self.job.t_arrival)
+                self.metrics.ttft.observe(t - self.job.t_arrival)
             else:
-                self.metrics.itl.observe(ev.t - self.last_t)
-            self.last_t = ev.t
+                self.metrics.itl.observe(t - self.last_t)
+            for _ in ev.tokens[1:]:     # a round's other tokens arrive with its first: no gap
+                self.metrics.itl.observe(0.0)
+            self.last_t = t
         elif isinstance(ev, Done):
             self.metrics.e2e.observe(time.perf_counter() - self.job.t_arrival)
-        return ev
+        return index, ev
 
 
 def _outcome(status: int) -> str:
@@ -202,7 +207,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                                              index=i))
             while True:
                 try:
-                    ev = await reader.next()
+                    index, ev = await reader.next()
                 except _Timeout:
                     outcome = "timeout"
                     yield p.sse(p.error_body(timeout_msg, "timeout", None, "timeout"))
@@ -210,7 +215,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     return
                 if isinstance(ev, Delta):
                     if ev.text or (fmt is not None and ev.logprobs):
-                        yield chunk(ev.text, None, ev.logprobs, ev.index)
+                        yield chunk(ev.text, None, ev.logprobs, index)
                 elif isinstance(ev, Failed):
                     e = ev.error
                     outcome = _outcome(e.status)
@@ -218,7 +223,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     yield p.SSE_DONE
                     return
                 else:
-                    yield chunk(None, ev.finish_reason, index=ev.index)
+                    yield chunk(None, FINISH_REASONS.get(ev.finish_reason, "stop"), index=index)
                     finished, completion_tokens = finished + 1, completion_tokens + ev.completion_tokens
                     if finished < n:
                         continue
@@ -236,12 +241,12 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
     async def complete(request: Request, job: Job, reader: _Reader, rid: str, created: int, chat: bool, fmt=None):
         n = job.request.n
         endpoint, parts, outcome, lps = request.url.path, [[] for _ in range(n)], "cancelled", [[] for _ in range(n)]
-        done: dict[int, Done] = {}
+        done: dict[int, Done] = {}     # by sample index
         next_check = time.perf_counter() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
-                    ev = await reader.next(poll=DISCONNECT_POLL_S)
+                    index, ev = await reader.next(poll=DISCONNECT_POLL_S)
                 except _Timeout:
                     outcome = "timeout"
                     return error(504, timeout_msg, "timeout", None, "timeout")
@@ -252,20 +257,21 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                 if ev is None:
                     continue
                 if isinstance(ev, Delta):
-                    parts[ev.index].append(ev.text)
-                    lps[ev.index] += ev.logprobs or ()
+                    parts[index].append(ev.text)
+                    lps[index] += ev.logprobs or ()
                 elif isinstance(ev, Failed):
                     e = ev.error
                     outcome = _outcome(e.status)
                     return error(e.status, str(e), e.type, e.param, e.code)
                 else:
-                    done[ev.index] = ev
+                    done[index] = ev
                     if len(done) < n:
                         continue
                     outcome = "ok"
                     use = p.usage(ev.prompt_tokens, sum(d.completion_tokens for d in done.values()))
                     bodies = [(p.chat_body if chat else p.completion_body)(
-                        rid, created, model_name, "".join(parts[i]), done[i].finish_reason, use, done[0].metrics,
+                        rid, created, model_name, "".join(parts[i]), FINISH_REASONS.get(done[i].finish_reason, "stop"),
+                        use, done_metrics(done[0]),
                         logprobs=fmt[i](lps[i]) if fmt is not None else None) for i in range(n)]
                     body = bodies[0]
                     body["choices"] = [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)]

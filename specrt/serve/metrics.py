@@ -73,24 +73,29 @@ class ServerMetrics:
         self.queue_depth.set_function(queued)
         self.workers_busy.set_function(busy)
 
-    def watch_batch(self, stats: Callable[[], object]) -> None:
-        """The batched engine's gauges (`specrt serve --max-num-seqs`): stats() -> its EngineStats
-        (runtime/batch/engine.py) or None before it loads."""
+    def watch_batch(self, stats: Callable[[], list]) -> None:
+        """The engines' gauges: stats() -> each engine copy's EngineStats (runtime/batch/engine.py),
+        an empty list before they load; steps and chunks are summed over the copies, occupancy
+        is the mean running rows of a step of any copy."""
         r, label = self.registry, {"model": self.model}
 
-        def read(fn):
-            return lambda: (fn(s) if (s := stats()) is not None else 0)
+        def total(fn):
+            return lambda: sum(fn(s) for s in stats())
 
-        Gauge("specrt_batch_occupancy", "Mean running rows per batched step since the server started", ["model"],
-              registry=r).labels(**label).set_function(read(lambda s: s.occupancy))
-        Gauge("specrt_batch_steps", "Batched steps run since the server started", ["model"],
-              registry=r).labels(**label).set_function(read(lambda s: s.steps))
+        def occupancy() -> float:
+            steps = sum(s.steps for s in stats())
+            return sum(s.row_steps for s in stats()) / steps if steps else 0.0
+
+        Gauge("specrt_batch_occupancy", "Mean running rows per engine step since the server started", ["model"],
+              registry=r).labels(**label).set_function(occupancy)
+        Gauge("specrt_batch_steps", "Engine steps run since the server started", ["model"],
+              registry=r).labels(**label).set_function(total(lambda s: s.steps))
         Gauge("specrt_batch_prefill_chunks", "Prompt chunks prefilled since the server started", ["model"],
-              registry=r).labels(**label).set_function(read(lambda s: s.prefill_chunks))
-        choice = Gauge("specrt_batch_step_choice", "Batched steps by the kind chosen (plain, pair, lookup, draft)",
+              registry=r).labels(**label).set_function(total(lambda s: s.prefill_chunks))
+        choice = Gauge("specrt_batch_step_choice", "Engine steps by the kind chosen (plain, pair, lookup, draft)",
                        ["model", "kind"], registry=r)
         for kind in ("plain", "pair", "lookup", "draft"):
-            choice.labels(model=self.model, kind=kind).set_function(read(lambda s, k=kind: s.choices.get(k, 0)))
+            choice.labels(model=self.model, kind=kind).set_function(total(lambda s, k=kind: s.choices.get(k, 0)))
 
     def count(self, endpoint: str, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome

@@ -20,7 +20,7 @@ from specrt.runtime.tokenizer import Tokenizer
 from specrt.serve.errors import ServeConfigError
 from specrt.serve.metrics import ServerMetrics
 from specrt.serve.validation import Validator
-from specrt.serve.workers import EnginePool, load_generator, rss_mib
+from specrt.serve.pool import EnginePool, rss_mib
 
 DRAIN_MARGIN_S = 5.0
 
@@ -30,9 +30,9 @@ class ServeConfig:
     engines: str
     host: str = "127.0.0.1"
     port: int = 8000                # 0: any free port (printed at start)
-    workers: int = 1                # each loads its own generator (memory: docs/serving.md)
-    # one batched engine for up to N requests at once (one copy of the weights; engines built
-    # with --batch), instead of `workers` one-request copies
+    workers: int = 1                # copies of the engine, each with its own weights (memory: docs/serving.md)
+    # rows of each copy: up to N requests decoding at once on one copy of the weights (engines
+    # built with --batch); None: 1
     max_num_seqs: int | None = None
     queue_size: int = 8             # requests that may wait for a worker before 429
     timeout: float = 300.0          # seconds from arrival to the last token
@@ -55,9 +55,6 @@ class ServeConfig:
         if self.max_num_seqs is not None:
             if not 1 <= self.max_num_seqs <= 256:
                 raise ServeConfigError(f"--max-num-seqs {self.max_num_seqs}: give a number of rows in [1, 256]")
-            if self.workers != 1:
-                raise ServeConfigError("--max-num-seqs runs one batched engine for every request: leave --workers "
-                                       "out (it sets the number of one-request engine copies)")
         if self.queue_size < 0:
             raise ServeConfigError(f"--queue-size {self.queue_size}: give 0 (no waiting) or more")
         if not self.timeout > 0:
@@ -80,33 +77,29 @@ class ServeConfig:
 
 
 def build_app(cfg: ServeConfig, factory: Callable | None = None):
-    """The app and its (not yet started) pool. `factory(engines, memory=, threads=)` makes
-    one worker's generator (with --max-num-seqs: `factory(engines, max_num_seqs=, threads=)`
-    the batched generator); tests wrap it."""
+    """The app and its (not yet started) pool: `workers` copies of the engine with `max_num_seqs`
+    rows each. `factory(engines, max_num_seqs=, threads=, memory=)` opens one copy (default
+    `open_batch`); tests wrap it."""
+    from specrt.runtime.batch.generator import open_batch
     from specrt.serve.app import create_app
     man = mf.load(cfg.engines)
     name = cfg.served_name
     metrics = ServerMetrics(name)
-    if cfg.max_num_seqs is not None:
-        from specrt.runtime.batch.generator import open_batch
-        from specrt.serve.batched import BatchPool
-        if man.batch is None:
-            raise ServeConfigError(f"--max-num-seqs: {cfg.engines} has no batched model; rebuild it with `specrt build "
-                                   "... --batch`, or serve it with --workers N (one request per engine copy)")
-        pool = BatchPool(cfg.engines, max_num_seqs=cfg.max_num_seqs, queue_size=cfg.queue_size, threads=cfg.threads,
-                         factory=factory or open_batch, on_generation=metrics.record_generation)
-        metrics.watch_batch(lambda: pool.stats)
-    else:
-        pool = EnginePool(cfg.engines, workers=cfg.workers, queue_size=cfg.queue_size, memory=cfg.memory,
-                          threads=cfg.threads, factory=factory or load_generator,
-                          on_generation=metrics.record_generation)
+    rows = cfg.max_num_seqs or 1
+    if rows > 1 and man.batch is None:
+        raise ServeConfigError(f"--max-num-seqs {rows}: {cfg.engines} has no batched model; rebuild it with `specrt "
+                               "build ... --batch`, or serve it with --workers N (one request per engine copy)")
+    pool = EnginePool(cfg.engines, copies=cfg.workers, max_num_seqs=rows, queue_size=cfg.queue_size,
+                      threads=cfg.threads, memory=cfg.memory, factory=factory or open_batch,
+                      on_generation=metrics.record_generation)
+    metrics.watch_batch(lambda: pool.stats)
     tok = Tokenizer(Path(cfg.engines), man.tokenizer)
     # structured outputs and logprobs run on the engine whatever the folder's model (runtime/batch/engine.py)
     vocab = int((man.batch or man.target).dims["vocab"])
     grammars = grammars_for((Path(cfg.engines) / man.tokenizer["file"]).read_text(encoding="utf-8"),
                             tuple(sorted(tok.eos_token_ids)), vocab)
     validator = Validator(tok, max_context=man.shapes.max_context, vocab=int(man.target.dims["vocab"]),
-                          model_name=name, grammars=grammars, max_n=cfg.max_num_seqs or 1)
+                          model_name=name, grammars=grammars, max_n=rows)
     app = create_app(pool, validator, metrics, model_name=name, timeout=cfg.timeout,
                      max_context=man.shapes.max_context)
     return guarded(app, cfg), pool
@@ -165,8 +158,8 @@ def serve(cfg: ServeConfig, out=print, factory: Callable | None = None) -> int:
         raise
     host, port = sock.getsockname()[:2]
     per = ", ".join(f"{w.load_mib:.0f}" for w in pool.info)
-    engines = (f"one batched engine, max-num-seqs {cfg.max_num_seqs}: +{per} MiB" if cfg.max_num_seqs else
-               f"{cfg.workers} worker(s), memory {cfg.memory}: +{per} MiB each")
+    engines = (f"{cfg.workers} engine cop{'y' if cfg.workers == 1 else 'ies'} x {pool.max_num_seqs} row(s), "
+               f"memory {cfg.memory}: +{per} MiB")
     out(f"specrt: serving {cfg.served_name!r} ({pool.method}) on http://{host}:{port}/v1 | {engines}, RSS "
         f"{rss_mib():.0f} MiB | queue {cfg.queue_size} | timeout {cfg.timeout:g} s | API key "
         f"{'required' if cfg.api_key else 'none'}")

@@ -1,7 +1,7 @@
 """`specrt triton-repo ENGINES OUT`: a Triton Inference Server model repository
-(Python backend, decoupled = streaming) that wraps `SpeculativeGenerator`, or with
-`max_num_seqs` one `BatchGenerator` (engines built with `specrt build --batch`) that serves up
-to N requests at once in one instance.
+(Python backend, decoupled = streaming) whose instances each run one `BatchGenerator`, the
+engine every other caller runs: one row by default, or `max_num_seqs` rows (engines built with
+`specrt build --batch`) serving up to N requests at once in one instance.
 
     OUT/
       <model>/
@@ -41,19 +41,20 @@ class TritonRepoError(SpecrtError):
     """The model repository cannot be written as asked."""
 
 
-def config_pbtxt(name: str, engines: str, *, instances: int, memory: str, max_num_seqs: int | None = None,
+def config_pbtxt(name: str, engines: str, *, instances: int, memory: str, max_num_seqs: int = 1,
                  queue_size: int = 8) -> str:
     ins = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d}{" optional: true" if o else ""} }}'
                      for n, t, d, o in INPUTS)
     outs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in OUTPUTS)
-    params = {"engines": engines, "memory": memory}
-    if max_num_seqs is None:
-        note = "# each instance is its own stub process with its own generator: one request at a time each\n"
+    params = {"engines": engines, "memory": memory, "max_num_seqs": str(max_num_seqs), "queue_size": str(queue_size)}
+    if max_num_seqs == 1:
+        note = ("# each instance is its own stub process with its own engine (execute returns at once, the engine\n"
+                "# thread streams the answers): one request at a time each, count = requests at once.\n"
+                "# queue_size: requests that may wait for it (then an UNAVAILABLE error)\n")
     else:
         note = (f"# one batched engine per instance serves up to {max_num_seqs} requests at once (execute returns at\n"
                 "# once, the engine thread streams the answers): count 1 is right, each more instance is another\n"
                 "# copy of the weights. queue_size: requests that may wait for a row (then an UNAVAILABLE error)\n")
-        params |= {"max_num_seqs": str(max_num_seqs), "queue_size": str(queue_size)}
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             "# decoupled: one response per streamed text chunk, the last one flagged FINAL\n"
             "model_transaction_policy { decoupled: true }\n"
@@ -67,9 +68,9 @@ def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str |
                       memory: str = "fast", copy_engines: bool = False, force: bool = False,
                       max_num_seqs: int | None = None, queue_size: int = 8) -> Path:
     """Write the repository; returns the model's folder. Refuses to overwrite a folder that
-    this function did not write (no MARKER in it) unless `force`. max_num_seqs: serve with one
-    batched engine (None: one request at a time per instance); queue_size: requests that may
-    wait for one of its rows."""
+    this function did not write (no MARKER in it) unless `force`. max_num_seqs: rows of each
+    instance's engine (None: 1, one request at a time per instance; more need a batched model);
+    queue_size: requests that may wait for one of its rows."""
     engines = Path(engines).resolve()
     man = mf.load(engines)        # a typed error now beats one in Triton's log
     name = model_name or engines.name
@@ -79,8 +80,13 @@ def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str |
         raise TritonRepoError(f"--instances {instances}: give at least 1")
     if memory not in MEMORY_MODES:
         raise TritonRepoError(f"--memory {memory}: choose one of {', '.join(MEMORY_MODES)}")
-    if max_num_seqs is not None:
-        _check_batched(man, engines, max_num_seqs, queue_size)
+    if max_num_seqs is not None and max_num_seqs != 1:
+        _check_batched(man, engines, max_num_seqs)
+    if queue_size < 0:
+        raise TritonRepoError(f"--queue-size {queue_size}: give 0 (no waiting) or more")
+    if memory != "fast" and man.batch is not None:
+        raise TritonRepoError(f"--memory {memory} sets up a folder's one-row graphs; {engines} runs its batched model "
+                              "(one copy of the weights for every row): leave --memory out")
     _check_destination(Path(out), Path(out) / name, force)
     model = Path(out) / name
     try:
@@ -96,22 +102,20 @@ def write_triton_repo(engines: str | Path, out: str | Path, *, model_name: str |
             shutil.copytree(engines, model / "engines")
             where = "engines"   # relative: model.py resolves it against the model folder
         (model / "config.pbtxt").write_text(config_pbtxt(name, where, instances=instances, memory=memory,
-                                                                max_num_seqs=max_num_seqs, queue_size=queue_size))
+                                                                max_num_seqs=max_num_seqs or 1, queue_size=queue_size))
     except OSError as e:
         raise TritonRepoError(f"cannot write the model folder {model} ({e.strerror or e}): check that OUT is a "
                               "writable folder with room, or choose another OUT") from None
     return model
 
 
-def _check_batched(man, engines: Path, max_num_seqs: int, queue_size: int) -> None:
+def _check_batched(man, engines: Path, max_num_seqs: int) -> None:
+    if not 1 <= max_num_seqs <= 256:        # open_batch's range
+        raise TritonRepoError(f"--max-num-seqs {max_num_seqs}: give an integer in [1, 256]")
     if man.batch is None:
         raise TritonRepoError(f"{engines} has no batched model, so --max-num-seqs cannot be served: rebuild the "
                               "engines with `specrt build ... --batch`, or leave --max-num-seqs out (one request at "
                               "a time per instance, --instances N)")
-    if not 1 <= max_num_seqs <= 256:        # open_batch's range
-        raise TritonRepoError(f"--max-num-seqs {max_num_seqs}: give an integer in [1, 256]")
-    if queue_size < 0:
-        raise TritonRepoError(f"--queue-size {queue_size}: give 0 (no waiting) or more")
 
 
 def _check_destination(out: Path, model: Path, force: bool) -> None:

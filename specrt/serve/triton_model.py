@@ -8,15 +8,12 @@ request carries `finish_reason` and the FINAL flag (or is an error response, FIN
              top_p [1] FP32, seed [1] INT64, stop [-1] BYTES, chat [1] BOOL
     outputs  text_output [1] BYTES, finish_reason [1] BYTES ("" until the last response)
 
-Two ways to run, chosen by the config's parameters:
-
-    one request at a time (default)   a `SpeculativeGenerator`; `execute` serves its requests
-                                       one after another; `instance_group.count` = concurrent
-                                       generations (each instance is its own stub process)
-    batched (max_num_seqs = N)         one `BatchGenerator` (`specrt build --batch` engines):
-                                       `execute` submits and returns at once; the engine thread
-                                       streams every request through its response sender, so
-                                       one instance serves N at once (count 1)
+Each instance runs one `BatchGenerator` (`open_batch`: the engine every other caller runs,
+so the answers are `specrt generate`'s and the server's) with the config's `max_num_seqs` rows
+(default 1; more need engines built with `specrt build --batch`): `execute` submits and returns
+at once, and the engine thread streams every request through its response sender. Up to
+`max_num_seqs` requests decode at once and `queue_size` more wait for a row (then an
+UNAVAILABLE error); each more instance (`instance_group.count`) is another copy of the weights.
 
 Only `specrt.runtime` is imported (numpy, onnxruntime, tokenizers, jinja2): no FastAPI,
 torch or transformers.
@@ -36,6 +33,7 @@ except ImportError:         # outside Triton; tests inject a stand-in module
     pb_utils = None
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "max_context": "length"}
+DEFAULT_QUEUE = 8       # requests that may wait for a row when the config gives no queue_size
 log = logging.getLogger("specrt.triton")
 
 
@@ -158,32 +156,22 @@ class _Answer:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from specrt import manifest as mf
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         engines = Path(params["engines"])
         if not engines.is_absolute():       # copied into the model folder (--copy-engines)
             engines = Path(args["model_repository"]) / engines
-        self.gen = self.batch = None
-        self.max_num_seqs = int(params.get("max_num_seqs") or 0)
-        if self.max_num_seqs:
-            from specrt.runtime.batch.generator import open_batch
-            self.queue_size = int(params.get("queue_size") or 0)
-            self._open, self._open_lock = 0, threading.Lock()     # requests submitted and not answered yet
-            # the engine's own bound is a backstop; execute checks running + waiting first
-            self.batch = open_batch(engines, max_num_seqs=self.max_num_seqs,
-                                    max_queue=self.max_num_seqs + self.queue_size)
-            return
-        from specrt.runtime import SpeculativeGenerator
-        self.method = "speculative" if mf.load(engines).draft is not None else "plain"
-        self.gen = SpeculativeGenerator(engines, memory=params.get("memory", "fast"), methods=(self.method,))
+        from specrt.runtime.batch.generator import open_batch
+        self.max_num_seqs = int(params.get("max_num_seqs") or 1)
+        self.queue_size = int(params.get("queue_size") or DEFAULT_QUEUE)
+        self._open, self._open_lock = 0, threading.Lock()     # requests submitted and not answered yet
+        # the engine's own bound is a backstop; execute checks running + waiting first
+        self.batch = open_batch(engines, max_num_seqs=self.max_num_seqs, max_queue=self.max_num_seqs + self.queue_size,
+                                memory=params.get("memory", "fast"))
 
     def execute(self, requests):
         for request in requests:
-            if self.batch is not None:
-                self._submit(request)       # returns at once: the engine thread answers
-            else:
-                self._serve(request)
+            self._submit(request)       # returns at once: the engine thread answers
         return None     # decoupled: every answer goes through a response sender
 
     def _submit(self, request):
@@ -214,29 +202,7 @@ class TritonPythonModel:
         with self._open_lock:
             self._open -= 1
 
-    def _serve(self, request):
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        stream = None
-        try:
-            prompt, kw = _inputs(request)
-            stream = self.gen.stream(prompt, method=self.method, **kw)
-            for chunk in stream:        # arguments are checked at the first step
-                if request.is_cancelled():
-                    sender.send(_error("cancelled by the client", "CANCELLED"), flags=final)
-                    return
-                if chunk.text:
-                    sender.send(_response(chunk.text))
-            finish = FINISH.get(self.gen.last_metrics.finish_reason, "stop")
-        except _bad_input_types() as e:
-            sender.send(_bad_input(e), flags=final)
-            return
-        finally:
-            if stream is not None:
-                stream.close()  # rewinds the caches whatever happened
-        sender.send(_response("", finish), flags=final)
-
     def finalize(self):
         if self.batch is not None:
             self.batch.close()      # running and waiting requests end with a FINAL error (see _Answer)
-        self.gen = self.batch = None
+        self.batch = None

@@ -212,9 +212,10 @@ async def _post(app, path: str, body: dict) -> dict:
 def _triton(rows: int | None):
     def run(cases: list[Case], job: Job):
         from specrt.serve import triton_model as tm
-        params = {"engines": str(job.engines.resolve())}
+        # every prompt is sent at once: all of them may wait for a row
+        params = {"engines": str(job.engines.resolve()), "queue_size": str(len(cases))}
         if rows is not None:
-            params |= {"max_num_seqs": str(rows), "queue_size": str(len(cases))}
+            params |= {"max_num_seqs": str(rows)}
         with _stand_in(tm):
             model = tm.TritonPythonModel()
             model.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v}
@@ -229,7 +230,7 @@ def _triton(rows: int | None):
                                            temperature=np.array([s.temperature], np.float32), chat=np.array([True]),
                                            **({} if s.seed is None else {"seed": np.array([s.seed], np.int64)}))
                             for c in cases]
-                    model.execute(reqs)     # one-request: answers before it returns; batched: the engine thread
+                    model.execute(reqs)     # returns at once: the engine thread answers
                     out.append([Answer(None, r.text()) for r in reqs])
             finally:
                 model.finalize()

@@ -1,5 +1,5 @@
 """A live server on 127.0.0.1 (uvicorn in a thread, real sockets) and a gate that holds
-a worker's generation still, so tests of cancellation and queueing do not race."""
+an engine's generation still, so tests of cancellation and queueing do not race."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +9,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.batch.request import Delta
 from specrt.serve.server import ServeConfig, bind, build_app, uvicorn_config
-from specrt.serve.workers import load_generator
 
 WAIT_S = 60.0   # a hang guard, never a performance bound
 
@@ -75,33 +76,33 @@ class LiveServer:
         self.sock.close()
 
 
+def wrap_sinks(gen, wrap):
+    """`gen` (a BatchGenerator) with every sink the server submits passed through
+    `wrap(sink) -> sink` first: the wrapped sink runs on the engine thread, where a test can
+    hold or slow a generation (the server submits every request as n samples)."""
+    submit_n = gen.submit_n
+
+    def wrapped(*a, sinks, **kw):
+        return submit_n(*a, sinks=[wrap(s) for s in sinks], **kw)
+    gen.submit_n = wrapped
+    return gen
+
+
 class Gate:
-    """Wraps each worker's real generator: every stream yields its first chunk, then
-    waits until the test opens the gate. `blocked` is set while a stream waits."""
+    """Wraps each engine copy the server opens: every request emits its first tokens, then
+    its engine thread waits until the test opens the gate. `blocked` is set while it waits."""
 
     def __init__(self):
         self.open, self.blocked = threading.Event(), threading.Event()
 
     def factory(self, engines, **kw):
-        return _Gated(load_generator(engines, **kw), self)
+        return wrap_sinks(open_batch(engines, **kw), self._gated)
 
-
-class _Gated:
-    def __init__(self, gen, gate: Gate):
-        self._gen, self._gate = gen, gate
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-    def stream(self, *a, **kw):
-        inner = self._gen.stream(*a, **kw)
-        try:
-            for i, chunk in enumerate(inner):
-                yield chunk
-                if i == 0 and not self._gate.open.is_set():
-                    self._gate.blocked.set()
-                    self._gate.open.wait(WAIT_S)
-                    self._gate.blocked.clear()
-        finally:
-            inner.close()
-
+    def _gated(self, sink):
+        def gated(ev):
+            sink(ev)
+            if isinstance(ev, Delta) and ev.tokens and not self.open.is_set():
+                self.blocked.set()
+                self.open.wait(WAIT_S)
+                self.blocked.clear()
+        return gated

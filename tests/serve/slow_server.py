@@ -3,27 +3,21 @@ delayed by 20 ms, so that a stream is surely in flight when the test sends SIGTE
 import sys
 import time
 
+from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.batch.request import Delta
 from specrt.serve.server import ServeConfig, serve
-from specrt.serve.workers import load_generator
+
+from serve_helpers import wrap_sinks
 
 
-class Slow:
-    def __init__(self, gen):
-        self._gen = gen
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-    def stream(self, *a, **kw):
-        inner = self._gen.stream(*a, **kw)
-        try:
-            for chunk in inner:
-                time.sleep(0.02)
-                yield chunk
-        finally:
-            inner.close()
+def slow(sink):
+    def slowed(ev):
+        if isinstance(ev, Delta):
+            time.sleep(0.02 * len(ev.tokens))
+        sink(ev)
+    return slowed
 
 
 if __name__ == "__main__":
     sys.exit(serve(ServeConfig(sys.argv[1], port=0, timeout=60),
-                   factory=lambda engines, **kw: Slow(load_generator(engines, **kw))))
+                   factory=lambda engines, **kw: wrap_sinks(open_batch(engines, **kw), slow)))

@@ -109,7 +109,8 @@ def test_concurrent_requests_get_the_answers_they_get_alone(live, probe, tiny_ba
     try:
         with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
             futs = [ex.submit(_complete, live.url, live.model, p) for p in PROMPTS]
-            wait_for(lambda: eng.queued == len(PROMPTS), "every request to be queued")
+            # three in the engine's queue (its free rows), three in the server's
+            wait_for(lambda: (eng.queued, live.pool.queued) == (3, 3), "every request to be queued")
             probe.go.set()               # ...until every request waits for a row: they overlap by construction
             got = [f.result() for f in futs]
     finally:
@@ -123,7 +124,7 @@ def test_concurrent_requests_get_the_answers_they_get_alone(live, probe, tiny_ba
     assert m[("specrt_batch_occupancy", frozenset())] == pytest.approx(st.occupancy)
     assert m[("specrt_batch_step_choice", frozenset({("kind", "plain")}))] == m[("specrt_batch_steps", frozenset())]
     h = live.health()
-    assert h["method"] == "batched" and h["workers"][0]["max_num_seqs"] == 3
+    assert h["method"] == "plain" and [w["max_num_seqs"] for w in h["workers"]] == [3]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_at_the_next_step(tiny_batch_engines):
@@ -167,7 +168,7 @@ round: no token is made for nobody), and the next request
 
 def test_the_config_refuses_what_it_cannot_serve(tiny_int4_engines):
     with pytest.raises(ServeConfigError, match="--workers"):
-        ServeConfig("x", max_num_seqs=4, workers=2)
+        ServeConfig("x", max_num_seqs=4, workers=0)
     with pytest.raises(ServeConfigError, match="256"):
         ServeConfig("x", max_num_seqs=0)
     with pytest.raises(ServeConfigError, match="--batch"):
@@ -197,3 +198,22 @@ def test_top_k_min_p_stop_token_ids_and_ignore_eos_reach_the_batched_engine(live
     r = httpx.post(live.url + "/v1/completions", timeout=WAIT_S, json={
         "model": live.model, "prompt": eos, "temperature": 0, "ignore_eos": True, "max_tokens": len(through.tokens)})
     assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["choices"][0]["text"] == through.text
+
+
+def test_two_copies_of_two_rows_answer_as_each_request_alone(tiny_batch_engines):
+    """`--workers 2 --max-num-seqs 2`: two engine copies, two rows each, one queue in front."""
+    ref = open_batch(tiny_batch_engines, max_num_seqs=1)
+    try:
+        alone = [ref.generate(p, max_new_tokens=16).text for p in PROMPTS]
+    finally:
+        ref.close()
+    server = LiveServer(tiny_batch_engines, workers=2, max_num_seqs=2, queue_size=8)
+    try:
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+            got = list(ex.map(lambda p: _complete(server.url, server.model, p), PROMPTS))
+        assert got == alone
+        h = server.health()
+        assert [w["max_num_seqs"] for w in h["workers"]] == [2, 2]
+        assert sum(w["requests"] for w in h["workers"]) == len(PROMPTS) and h["busy"] == 0
+    finally:
+        server.close()

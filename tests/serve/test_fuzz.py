@@ -50,7 +50,8 @@ def test_fuzzed_request_bodies_never_get_a_server_error(live, kind, strategy):
     assert sum(seen.values()) >= CASES and 400 in seen
     assert kind == "raw" or 200 in seen, "no valid request was generated"
     health = live.health()
-    assert health["status"] == "ok" and (health["method"] == "batched") == (live.kind == "batched")
+    rows = [w["max_num_seqs"] for w in health["workers"]]
+    assert health["status"] == "ok" and rows == ([1, 1] if live.kind == "workers" else [2])
 
 
 def test_the_script_fuzzes_the_batched_server_it_starts(tiny_batch_engines):
@@ -59,7 +60,7 @@ def test_the_script_fuzzes_the_batched_server_it_starts(tiny_batch_engines):
     assert fuzz.server_command(tiny_batch_engines, 2)[-2:] == ["--max-num-seqs", "2"]
     assert "--max-num-seqs" not in fuzz.server_command(tiny_batch_engines)
     report = fuzz.fuzz(tiny_batch_engines, cases=4, seed=2, max_num_seqs=2)
-    assert report["server"] == "batched" and report["findings"] == [] and report["server_exit"] == 0, report
+    assert report["server"]["rows"] == [2] and report["findings"] == [] and report["server_exit"] == 0, report
     assert report["cases"] >= 3 * 4
 
 

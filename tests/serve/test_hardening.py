@@ -13,10 +13,12 @@ import openai
 import pytest
 
 from specrt import manifest as mf
+from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.batch.request import Delta
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.serve.validation import Validator
 
-from .serve_helpers import WAIT_S, LiveServer, wait_for
+from .serve_helpers import WAIT_S, LiveServer, wait_for, wrap_sinks
 
 
 def raw_request(url: str, head: bytes, body: bytes = b"", read: bool = True) -> bytes:
@@ -71,39 +73,33 @@ def test_max_tokens_exactly_the_room_left_is_accepted_and_one_more_is_not(live):
 # --------------------------------------------------------------------------- work without a client
 
 class _Slow:
-    """Each token takes 30 ms: a long generation that never pauses between tokens, up to
-    token `hold_at`, where it waits for `left` (set once the server has seen the client leave):
-    the tokens flow while the server watches for the client, and a server slowed down by a busy
-    machine still cannot run the request to its end before it notices."""
+    """Each token takes 30 ms (on the engine thread): a long generation that never pauses
+    between tokens, up to token `hold_at`, where it waits for `left` (set once the server has
+    seen the client leave): the tokens flow while the server watches for the client, and a
+    server slowed down by a busy machine still cannot run the request to its end before it
+    notices."""
 
-    def __init__(self, gen, hold_at: int, left: threading.Event):
-        self._gen, self._hold_at, self._left = gen, hold_at, left
+    def __init__(self, hold_at: int, left: threading.Event):
+        self._hold_at, self._left, self._made = hold_at, left, 0
 
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-    def stream(self, *a, **kw):
-        inner = self._gen.stream(*a, **kw)
-        made = 0
-        try:
-            for chunk in inner:
-                time.sleep(0.03)
-                made += len(chunk.tokens)
-                if made >= self._hold_at:
+    def __call__(self, sink):
+        def slowed(ev):
+            if isinstance(ev, Delta):
+                time.sleep(0.03 * len(ev.tokens))
+                self._made += len(ev.tokens)
+                if self._made >= self._hold_at:
                     assert self._left.wait(WAIT_S), "the server never saw the client leave"
-                yield chunk
-        finally:
-            inner.close()
+            sink(ev)
+        return slowed
 
 
 def test_a_non_streaming_client_that_leaves_while_tokens_flow_frees_the_worker(tiny_self_engines, reference):
-    from specrt.serve.workers import load_generator
     prompt = "The quick brown fox"
     full = len(reference.generate(prompt, max_new_tokens=70).tokens)
     assert full >= 40, "the test needs a long generation"
     left = threading.Event()
     server = LiveServer(tiny_self_engines, workers=1,
-                        factory=lambda engines, **kw: _Slow(load_generator(engines, **kw), full - 2, left))
+                        factory=lambda engines, **kw: wrap_sinks(open_batch(engines, **kw), _Slow(full - 2, left)))
     try:
         body = json.dumps({"prompt": prompt, "max_tokens": 70, "temperature": 0}).encode()
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -48,8 +48,10 @@ def model(tiny_self_engines, tmp_path, monkeypatch):
 
 
 def run(model, **inputs) -> fake_triton.Request:
+    """One request, answered (its FINAL sent) from the engine thread."""
     req = fake_triton.Request(**inputs)
     assert model.execute([req]) is None     # decoupled: nothing is returned, all is sent
+    req.sender.wait()
     return req
 
 
@@ -129,7 +131,7 @@ def test_a_cancelled_request_stops_and_the_next_one_starts_clean(model, referenc
     req = fake_triton.Request(cancel_after=2, text_input=np.array([b"Once upon a time"], dtype=object),
                               max_tokens=np.array([40], np.int32))
     model.execute([req])
-    resp, flags = req.sender.sent[-1]
+    resp, flags = req.sender.wait().sent[-1]
     assert flags == FINAL and resp.error.code() == fake_triton.TritonError.CANCELLED
     assert len(req.sender.sent) <= 3
     req = run(model, text_input=np.array([b"abc"], dtype=object), max_tokens=np.array([20], np.int32))
@@ -254,7 +256,8 @@ def test_triton_repo_max_num_seqs_writes_a_batched_decoupled_model(tiny_batch_en
     assert {k: json.loads(v) for k, v in params(config).items()} == {
         "engines": str(tiny_batch_engines.resolve()), "memory": "fast", "max_num_seqs": "4", "queue_size": "2"}
     plain = write_triton_repo(tiny_batch_engines, tmp_path / "plain", model_name="tiny")
-    assert set(params((plain / "config.pbtxt").read_text())) == {"engines", "memory"}     # default: as before
+    assert {k: json.loads(v) for k, v in params((plain / "config.pbtxt").read_text()).items()} == {
+        "engines": str(tiny_batch_engines.resolve()), "memory": "fast", "max_num_seqs": "1", "queue_size": "8"}
 
 
 def test_triton_repo_max_num_seqs_without_a_batch_model_is_refused(tiny_self_engines, tmp_path):

@@ -119,30 +119,23 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event(gated):
     assert events[-1] == "data: [DONE]" and '"code":"timeout"' in events[-2]
 
 
-class _FailsOnce:
-    """A worker's generator whose first stream breaks after one token, as a bug would."""
+def _fails_once(gen):
+    """An engine copy whose first step after a request's first token raises, as a bug in the
+    model would (BatchGenerator fails that step's requests and serves on)."""
+    eng, step, failed = gen.engine, gen.engine.step, []
 
-    def __init__(self, gen):
-        self._gen, self._failed = gen, False
-
-    def __getattr__(self, name):
-        return getattr(self._gen, name)
-
-    def stream(self, *a, **kw):
-        inner = self._gen.stream(*a, **kw)
-        try:
-            for chunk in inner:
-                yield chunk
-                if not self._failed:
-                    self._failed = True
-                    raise RuntimeError("a bug")
-        finally:
-            inner.close()
+    def failing():
+        if not failed and any(r.emitted for r in eng.rows):
+            failed.append(True)
+            raise RuntimeError("a bug")
+        return step()
+    eng.step = failing
+    return gen
 
 
 def test_an_unexpected_failure_is_a_500_body_and_the_worker_lives_on(tiny_self_engines, reference):
-    from specrt.serve.workers import load_generator
-    server = LiveServer(tiny_self_engines, factory=lambda e, **kw: _FailsOnce(load_generator(e, **kw)), workers=1)
+    from specrt.runtime.batch.generator import open_batch
+    server = LiveServer(tiny_self_engines, factory=lambda e, **kw: _fails_once(open_batch(e, **kw)), workers=1)
     try:
         r = httpx.post(server.url + "/v1/completions", json=COMPLETION, timeout=WAIT_S)
         assert r.status_code == 500

@@ -107,8 +107,13 @@ class _GuardedSink:
 class BatchGenerator:
     def __init__(self, engine: BatchEngine, tokenizer=None, *, max_queue: int | None = None):
         """Runs `engine` on a background thread (see `open_batch` for an engine folder).
-        max_queue: most requests waiting for a row (None: no limit); beyond it submit raises."""
+        max_queue: most requests waiting for a row (None: no limit); beyond it submit raises.
+        `feed`, when set, is called on the engine thread before every step (and every idle
+        wake-up) that has a row no request holds or waits for: a caller that keeps its own queue
+        (the server's pool, serve/pool.py) submits from it the moment a row is free, admitted
+        in that same step."""
         self.engine, self.tokenizer, self.max_queue = engine, tokenizer, max_queue
+        self.feed: Callable[[], None] | None = None
         self._wake = threading.Condition()
         self._closed = False
         self._ids = itertools.count(1)     # request ids; next() is atomic across threads
@@ -282,6 +287,11 @@ class BatchGenerator:
     def _run(self) -> None:
         eng = self.engine
         while True:
+            if self.feed is not None and not self._closed and eng.active + eng.queued < eng.max_num_seqs:
+                try:
+                    self.feed()
+                except Exception:           # the caller's queue: its failure must not stop the engine
+                    log.exception("the engine's feed failed")
             try:
                 busy = eng.step()
             except Exception as e:          # the model failed: fail every request, keep serving new ones
@@ -301,13 +311,15 @@ class BatchGenerator:
 
 def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: int | None = None,
                verify: str = "full", buckets: Sequence[int] | None = None, execution: str = "cpu",
-               speculate: bool = True) -> BatchGenerator:
+               speculate: bool = True, memory: str = "fast") -> BatchGenerator:
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
     `max_num_seqs` requests at once; each step runs every running row one round and
     prefills one chunk of the next request. A folder without a batched model (no `--batch`, the
     GPU builds) opens with max_num_seqs=1: its one-row graphs on the same engine, one request at
-    a time (batch/one_row.py), the tokens SpeculativeGenerator gives.
+    a time (batch/one_row.py), the tokens SpeculativeGenerator gives; memory="shared" (one
+    memory-mapped copy of the weights for its prefill and one-token graphs, runtime/backends/
+    ort_cpu.py) applies to those graphs only.
 
     The round is chosen per step by measured cost (policy.py: plain, a pair round, prompt
     lookup) when the build showed that a position's logits do not depend on the window they
@@ -323,12 +335,13 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     rows; execution "cpu" runs that path here (tests), "cuda" is GPU-ONLY and NOT YET RUN ON
     A GPU (it needs fp16 batched graphs `specrt build --batch` does not make yet)."""
     engine, tok = batch_engine(engines, max_num_seqs=max_num_seqs, threads=threads, verify=verify, buckets=buckets,
-                               execution=execution, speculate=speculate)
+                               execution=execution, speculate=speculate, memory=memory)
     return BatchGenerator(engine, tok, max_queue=max_queue)
 
 
 def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: str = "full",
-                 buckets: Sequence[int] | None = None, execution: str = "cpu", speculate: bool = True):
+                 buckets: Sequence[int] | None = None, execution: str = "cpu", speculate: bool = True,
+                 memory: str = "fast"):
     """(BatchEngine, Tokenizer) of an engine folder, as open_batch describes, with no thread
     stepping it (BatchEngine.drive runs a request from the caller's thread)."""
     from pathlib import Path
@@ -347,11 +360,16 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     backend.check_device(man)      # as SpeculativeGenerator: another device or CPU int8 path is refused
     mf.check_files(man, root)
     entry = man.batch
+    if memory not in backend.memory_modes:
+        raise ConfigError(f"memory={memory!r}; choose one of {backend.memory_modes}")
+    if entry is not None and memory != "fast":
+        raise ConfigError(f"memory={memory!r} sets up a folder's one-row graphs; {root} serves its batched model (one "
+                          "copy of the weights for every row): leave it out (--memory fast)")
     if entry is None and buckets is not None:
         raise ConfigError(f"{root} has no batched model, so it has no row buckets: rebuild it with `specrt build ... "
                           "--batch`, or open it without buckets")
     if entry is None and max_num_seqs == 1:
-        return _one_row(root, man, backend, threads, verify, speculate)
+        return _one_row(root, man, backend, threads, verify, speculate, memory)
     if entry is None:
         raise ConfigError(f"{root} has no batched model: rebuild it with `specrt build ... --batch` to serve many "
                           "requests on one engine, or open it with max_num_seqs=1 (its one-row graphs, one request at "
@@ -393,10 +411,14 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     return engine, tok
 
 
-def _one_row(root, man, backend, threads: int, verify: str, speculate: bool):
+def _one_row(root, man, backend, threads: int, verify: str, speculate: bool, memory: str = "fast"):
     """A folder without a batched model (no --batch, the GPU builds): its one-row graphs as the
     engine's model, one row (batch/one_row.py), its rounds chosen as SpeculativeGenerator's
-    default method chooses them (the tokens are the same whatever the rounds)."""
+    default method chooses them (the tokens are the same whatever the rounds). A service
+    speculates: with a draft, a quantized target also loads its one-token graph (plain and pair
+    rounds where drafting does not pay: on SmolLM2 int4 twice a request's speed, 98-104 vs 41-50
+    tok/s measured 2026-12-01), an fp32 one does not (another pre-packed copy of the fp32
+    weights): its plain steps run in the verify window and every round drafts k."""
     from specrt import manifest as mf
     from specrt.errors import BackendError, GraphFileError
     from specrt.runtime.batch.one_row import one_row_engine, open_one_row
@@ -404,9 +426,16 @@ def _one_row(root, man, backend, threads: int, verify: str, speculate: bool):
     from specrt.runtime.tokenizer import Tokenizer
     check = mf.HashCheck(man, root) if verify == "full" else None
     tok = Tokenizer(root, man.tokenizer)
-    graphs = ("prefill", "decode", "verify") if speculate else ("prefill", "decode")
+    speculate = speculate and man.draft is not None
+    if not speculate:
+        graphs = ("prefill", "decode")
+    elif man.target.precision != "fp32":
+        graphs = ("prefill", "decode", "verify")
+    else:
+        graphs = ("prefill", "verify")
     try:
-        target, draft = open_one_row(root, man, backend, threads=threads, draft=speculate, graphs=graphs)
+        target, draft = open_one_row(root, man, backend, threads=threads, memory=memory, draft=speculate,
+                                     graphs=graphs)
     except (GraphFileError, BackendError):
         if check is not None:        # a damaged file explains a load failure better than ONNX Runtime's message
             check.result()
@@ -414,7 +443,9 @@ def _one_row(root, man, backend, threads: int, verify: str, speculate: bool):
     if check is not None:
         check.result()
     engine, fixed = one_row_engine(root, man, target, draft, tok, graphs)
-    engine.policy.fixed = fixed                # no measured costs: fixed-k rounds, as the single stream runs
+    # no measured costs, or no one-token graph (a plain step would cost a verify pass): fixed-k
+    # rounds, as the single stream runs them
+    engine.policy.fixed = fixed or "decode" not in graphs
     if not speculate:
         engine.policy = BatchPolicy(None, man.shapes.k)
     return engine, tok
