@@ -19,19 +19,11 @@ import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-
 from specrt import manifest as mf
-from specrt.errors import (
-    BackendError,
-    ConcurrentUseError,
-    ConfigError,
-    GraphFileError,
-    SamplingParamsError,
-    TokenizerMismatchError,
-)
+from specrt.errors import ConcurrentUseError, ConfigError, SamplingParamsError, TokenizerMismatchError
 from specrt.runtime.backends import backend_for
 from specrt.runtime.batch.generator import matcher
-from specrt.runtime.batch.one_row import draft_prior, one_row_engine, open_one_row
+from specrt.runtime.batch.one_row import draft_prior, open_folder
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.logprobs import check_logprobs
 from specrt.runtime.methods import METHODS, Method
@@ -40,7 +32,6 @@ from specrt.runtime.one import BatchOfOne, Emitted, one_engine
 from specrt.runtime.prompt import check_request, encode_prompt
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.text import Chunk, Completion, TextStreaming
-from specrt.runtime.tokenizer import Tokenizer
 
 __all__ = ["SpeculativeGenerator", "Chunk", "Completion", "METHODS"]
 
@@ -123,29 +114,15 @@ class SpeculativeGenerator(TextStreaming):
             _check_same_vocab(man)
         if adaptive not in (None, True, False):
             raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
-        check = mf.HashCheck(man, self.root) if verify == "full" else None
         extra = dict(backend_options or {})
         if profile_dir:
             extra["profile_dir"] = Path(profile_dir)
-        try:
-            self.tokenizer = Tokenizer(self.root, man.tokenizer)
-            graphs = ("prefill",) + tuple(g for g in ("decode", "verify")
-                                          if any(g in m.target_graphs for m in self.methods))
-            self.target, self.draft = open_one_row(self.root, man, self.backend, threads=threads, memory=memory,
-                                                   extra=extra, draft=Method.SPECULATIVE in self.methods,
-                                                   graphs=graphs)
-        except (GraphFileError, BackendError):
-            if check is not None:   # a damaged file explains a load failure better than ORT's message
-                try:
-                    check.result()
-                except GraphFileError as damaged:
-                    raise damaged from None
-            raise
-        if check is not None:
-            check.result()
+        graphs = ("prefill",) + tuple(g for g in ("decode", "verify") if any(g in m.target_graphs for m in self.methods))
         StepCosts.from_manifest((man.build or {}).get("speculation"))   # damaged costs: refused here
         draft_prior(man)       # a damaged prior is a ManifestError now, not a TypeError mid-request
-        engine, fixed = one_row_engine(self.root, man, self.target, self.draft, self.tokenizer, graphs)
+        engine, self.tokenizer, fixed, self.target, self.draft = open_folder(
+            self.root, man, self.backend, threads=threads, verify=verify, graphs=graphs,
+            draft=Method.SPECULATIVE in self.methods, memory=memory, extra=extra)
         # without the one-token graph a plain step costs a verify pass: every round drafts k
         fixed = fixed or adaptive is False or (adaptive is None and k is not None) or "decode" not in graphs
         if adaptive is True and "decode" not in graphs:

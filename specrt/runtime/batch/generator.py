@@ -419,13 +419,8 @@ def _one_row(root, man, backend, threads: int, verify: str, speculate: bool, mem
     rounds where drafting does not pay: on SmolLM2 int4 twice a request's speed, 98-104 vs 41-50
     tok/s measured 2026-12-01), an fp32 one does not (another pre-packed copy of the fp32
     weights): its plain steps run in the verify window and every round drafts k."""
-    from specrt import manifest as mf
-    from specrt.errors import BackendError, GraphFileError
-    from specrt.runtime.batch.one_row import one_row_engine, open_one_row
+    from specrt.runtime.batch.one_row import open_folder
     from specrt.runtime.batch.policy import BatchPolicy
-    from specrt.runtime.tokenizer import Tokenizer
-    check = mf.HashCheck(man, root) if verify == "full" else None
-    tok = Tokenizer(root, man.tokenizer)
     speculate = speculate and man.draft is not None
     if not speculate:
         graphs = ("prefill", "decode")
@@ -433,16 +428,8 @@ def _one_row(root, man, backend, threads: int, verify: str, speculate: bool, mem
         graphs = ("prefill", "decode", "verify")
     else:
         graphs = ("prefill", "verify")
-    try:
-        target, draft = open_one_row(root, man, backend, threads=threads, memory=memory, draft=speculate,
-                                     graphs=graphs)
-    except (GraphFileError, BackendError):
-        if check is not None:        # a damaged file explains a load failure better than ONNX Runtime's message
-            check.result()
-        raise
-    if check is not None:
-        check.result()
-    engine, fixed = one_row_engine(root, man, target, draft, tok, graphs)
+    engine, tok, fixed, _, _ = open_folder(root, man, backend, threads=threads, verify=verify, graphs=graphs,
+                                           draft=speculate, memory=memory)
     # no measured costs, or no one-token graph (a plain step would cost a verify pass): fixed-k
     # rounds, as the single stream runs them
     engine.policy.fixed = fixed or "decode" not in graphs

@@ -154,6 +154,34 @@ def open_one_row(root, man, backend, *, threads: int, memory: str = "fast", extr
     return target, runner
 
 
+def open_folder(root, man, backend, *, threads: int, verify: str, graphs: tuple[str, ...], draft: bool,
+                memory: str = "fast", extra: dict | None = None):
+    """A folder's one-row graphs as one engine of one row: (BatchEngine, Tokenizer, fixed, target
+    runner, draft runner or None), for `SpeculativeGenerator` and `open_batch(max_num_seqs=1)`.
+    verify "full" hashes every file while the sessions load, and a load failure is explained by
+    the damaged file when there is one (better than ONNX Runtime's message). fixed: the build
+    measured no one-row step costs (rounds are then fixed-k)."""
+    from specrt import manifest as mf
+    from specrt.errors import BackendError, GraphFileError
+    from specrt.runtime.tokenizer import Tokenizer
+    check = mf.HashCheck(man, root) if verify == "full" else None
+    try:
+        tokenizer = Tokenizer(root, man.tokenizer)
+        target, runner = open_one_row(root, man, backend, threads=threads, memory=memory, extra=extra, draft=draft,
+                                      graphs=graphs)
+    except (GraphFileError, BackendError):
+        if check is not None:
+            try:
+                check.result()
+            except GraphFileError as damaged:
+                raise damaged from None
+        raise
+    if check is not None:
+        check.result()
+    engine, fixed = one_row_engine(root, man, target, runner, tokenizer, graphs)
+    return engine, tokenizer, fixed, target, runner
+
+
 def _draft_graphs(man) -> tuple[str, ...]:
     """The one-row draft's graphs the engine runs: the int8 self-draft (over the target's cache)
     its one-token step, a draft model with its own cache its prompt chunk too."""
