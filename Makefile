@@ -98,7 +98,7 @@ test: venv $(ENGINES)/manifest.json
 	$(BIN)/python -m pytest -q --durations=15 -n $(PYTEST_WORKERS) --dist loadscope -m "not slow"
 
 test-slow: venv $(ENGINES)/manifest.json
-	$(BIN)/python -m pytest -q --durations=15 -n $(PYTEST_WORKERS) --dist loadscope -m slow
+	$(BIN)/python -m pytest -q --durations=15 -n $(PYTEST_WORKERS) --dist loadscope -m slow --timeout 3600
 
 clean:
 	rm -rf artifacts .pytest_cache

@@ -122,3 +122,55 @@ def test_inspect_says_the_draft_model_runs_inside_the_batch(tiny_batch_rows_mode
     assert "[batch_draft]" in text and "its own cache per row" in text
     assert "speculating per step by measured cost (the draft model inside the batch" in text
     assert "not used" not in text
+
+
+def test_each_draft_round_proposes_the_draft_models_own_greedy_continuation_of_the_row(
+        tiny_batch_rows_model_engines, monkeypatch):
+    """The tokens are right whatever the draft proposes (the target decides), so only the
+    proposals show a draft cache gone wrong: K/V of rejected guesses kept (its length not
+    rewound), or another row's K/V read. Each round's proposal for each row must be the draft
+    model's greedy continuation of that row's tokens, computed here from a fresh cache of its own
+    (the sequence in prompt-chunk calls, then one token a call), while rows join and leave."""
+    import numpy as np
+
+    from specrt.runtime.backends import backend_for
+    root = tiny_batch_rows_model_engines
+    man = load(root)
+    ref = backend_for(man).open_batch(root, man.batch_draft, man.shapes, rows=1, threads=2, min_rows=1)
+
+    def continuation(seq: list[int], k: int) -> tuple[list[int], float]:
+        """The draft's greedy k tokens after seq, and the smallest top-2 margin among them."""
+        toks, margin, C = [], np.inf, man.shapes.prefill_chunk
+        for start in range(0, len(seq), C):         # the sequence in prompt-chunk calls
+            chunk = seq[start:start + C]
+            logits = ref.step("verify", np.asarray([chunk], np.int64), np.asarray([start], np.int64), 0,
+                              np.asarray([[len(chunk) - 1]], np.int64))[0, 0]
+        for j in range(k):
+            top2 = np.sort(logits)[-2:]
+            margin = min(margin, float(top2[1] - top2[0]))
+            toks.append(int(np.argmax(logits)))
+            if j + 1 < k:
+                logits = ref.step("decode", np.asarray([[toks[-1]]], np.int64),
+                                  np.asarray([len(seq) + j], np.int64), 0)[0, 0]
+        return toks, margin
+
+    rounds = []
+    with open_batch(root, max_num_seqs=3) as g:
+        g.engine.policy.costs = DRAFT_PAYS
+        eng, draft_own = g.engine, g.engine._draft_own
+
+        def recorded(choice):
+            seqs = [list(r.seq) for r in eng.rows]
+            out = draft_own(choice)
+            rounds.extend((s, [int(t) for t in p]) for s, p in zip(seqs, out) if len(p))
+            return out
+        monkeypatch.setattr(eng, "_draft_own", recorded)
+        hold_until_added(eng, len(PROMPTS), monkeypatch)
+        g.generate_batch(PROMPTS, max_new_tokens=NEW)
+    checked = 0
+    for seq, proposed in rounds:
+        want, margin = continuation(seq, len(proposed))
+        if margin > 1e-3:          # a near tie may fall either way between two call shapes
+            assert proposed == want, (seq, proposed, want)
+            checked += 1
+    assert checked >= len(rounds) // 2 and any(len(p) > 1 for _, p in rounds), (checked, len(rounds))
