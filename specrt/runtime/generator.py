@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from specrt import manifest as mf
-from specrt.errors import ConcurrentUseError, ConfigError, SamplingParamsError, TokenizerMismatchError
+from specrt.errors import ConcurrentUseError, ConfigError, SamplingParamsError
 from specrt.runtime.backends import backend_for
 from specrt.runtime.batch.generator import matcher
-from specrt.runtime.batch.one_row import draft_prior, open_folder
+from specrt.runtime.batch.one_row import check_memory, check_same_vocab, draft_prior, open_folder
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.logprobs import check_logprobs
 from specrt.runtime.methods import METHODS, Method
@@ -89,11 +89,7 @@ class SpeculativeGenerator(TextStreaming):
                 f"rebuild with --k {k} for a larger window")
         if memory not in self.backend.memory_modes:
             raise SamplingParamsError(f"memory={memory!r}; choose one of {self.backend.memory_modes}")
-        if memory == "shared" and _matmul_nbits(man.target):
-            # measured on SmolLM2 int4: decode 265 ms per step unpacked vs 6.3 ms pre-packed
-            raise ConfigError(f"memory='shared' does not suit this {man.target.precision} target: its MatMulNBits "
-                              "graphs run ~40x slower without ONNX Runtime's pre-packing; use memory='fast' "
-                              "(the weights are already small), or methods=('speculative',) to load fewer graphs")
+        check_memory(man, memory)
         if methods is None:
             methods = tuple(m for m in Method if man.draft is not None or not m.needs_draft)
         if isinstance(methods, str) or not methods or any(m not in METHODS for m in methods):
@@ -111,7 +107,7 @@ class SpeculativeGenerator(TextStreaming):
                                       "--lookup 2 for prompt lookup), or rebuild with a draft "
                                       "(`specrt build ... --draft int8`)")
         if man.draft is not None and "speculative" in self.methods:
-            _check_same_vocab(man)
+            check_same_vocab(man)
         if adaptive not in (None, True, False):
             raise ConfigError(f"adaptive={adaptive!r} must be True, False or None")
         extra = dict(backend_options or {})
@@ -266,22 +262,3 @@ class SpeculativeGenerator(TextStreaming):
                                        fixed)
         finally:
             self._busy.release()
-
-
-def _matmul_nbits(entry: mf.ModelEntry) -> bool:
-    """Were this model's weights quantized to ONNX Runtime's MatMulNBits (int8/int4 targets)?"""
-    q = (entry.source or {}).get("quantization") or {}
-    return "MatMulNBits" in str(q.get("method", ""))
-
-
-def _check_same_vocab(man: mf.Manifest) -> None:
-    t, d = man.target, man.draft
-    if int(t.dims["vocab"]) != int(d.dims["vocab"]):
-        raise TokenizerMismatchError(
-            f"draft vocabulary ({d.dims['vocab']}) differs from the target's ({t.dims['vocab']}): speculative "
-            "decoding needs one shared tokenizer; pick a draft from the same model family")
-    td, dd = t.source.get("tokenizer_sha256"), d.source.get("tokenizer_sha256")
-    if td and dd and td != dd:
-        raise TokenizerMismatchError(
-            "draft and target were built from different tokenizers (tokenizer.json hashes differ): "
-            "speculative decoding needs one shared tokenizer")

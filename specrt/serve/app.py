@@ -271,7 +271,7 @@ def create_app(pool: EnginePool, validator: Validator, metrics: ServerMetrics, *
                     use = p.usage(ev.prompt_tokens, sum(d.completion_tokens for d in done.values()))
                     bodies = [(p.chat_body if chat else p.completion_body)(
                         rid, created, model_name, "".join(parts[i]), FINISH_REASONS.get(done[i].finish_reason, "stop"),
-                        use, done_metrics(done[0]),
+                        use, done_metrics(done[0], pool.method),
                         logprobs=fmt[i](lps[i]) if fmt is not None else None) for i in range(n)]
                     body = bodies[0]
                     body["choices"] = [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)]

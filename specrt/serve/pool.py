@@ -65,6 +65,8 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (index, event, time.perf_counter()))
         except RuntimeError:    # the event loop is closed: nobody is listening any more
             self.cancelled.set()
+            for h in self.handles:
+                h.cancel()
 
 
 @dataclass
@@ -87,10 +89,11 @@ def rss_mib() -> float:
         return 0.0
 
 
-def done_metrics(done: Done) -> dict:
-    """The `specrt` field of a final response: the request's speculation, as the engine counted it."""
+def done_metrics(done: Done, method: str) -> dict:
+    """The `specrt` field of a final response: the engines' method (EnginePool.method) and the
+    request's speculation, as the engine counted it."""
     m = done.metrics
-    return {"method": m.method, "acceptance_rate": round(m.acceptance_rate, 4),
+    return {"method": method, "acceptance_rate": round(m.acceptance_rate, 4),
             "mean_acceptance_length": round(m.mean_acceptance_length, 3)}
 
 
@@ -181,7 +184,7 @@ class EnginePool:
             used = self.busy + sum(j.request.n for j in self._pending)
             if used + n > self.copies * self.max_num_seqs + self.queue_size:
                 raise QueueFullError(
-                    f"{self.busy} requests are running and {len(self._pending)} waiting ({self.copies} engine "
+                    f"{self.busy} rows are in use and {len(self._pending)} requests waiting ({self.copies} engine "
                     f"cop{'y' if self.copies == 1 else 'ies'} x max-num-seqs {self.max_num_seqs}, queue size "
                     f"{self.queue_size}): retry later, or start the server with more --workers, a larger "
                     "--max-num-seqs or a larger --queue-size", code="queue_full")
@@ -226,7 +229,6 @@ class EnginePool:
         r, info = job.request, self.info[i]
         with self._rows:
             info.busy += r.n
-            info.requests += 1
         sinks = [self._sink(job, info, s) for s in range(r.n)]
         try:
             # n samples: the prompt prefilled once, a row per sample (BatchGenerator.submit_n)
@@ -243,6 +245,8 @@ class EnginePool:
                 log.exception("submitting a request failed")
             job.push(0, Failed(http_error(e)))
             return
+        with self._rows:
+            info.requests += 1
         if job.cancelled.is_set():    # the client left while it was being submitted
             for h in job.handles:
                 h.cancel()

@@ -166,11 +166,16 @@ def test_the_decode_graph_of_an_int4_build_has_two_rows(tiny_int4_engines):
 
 def test_shared_memory_is_refused_for_a_matmul_nbits_target_with_the_fix(tiny_int4_engines, tiny_self_engines):
     """Unpacked MatMulNBits graphs run ~40x slower (SmolLM2 int4: 265 ms vs 6.3 ms per decode
-    step): a quantized target refuses memory='shared' and names memory='fast'; fp32 takes it."""
+    step): a quantized target refuses memory='shared' and names memory='fast', through the
+    single stream and open_batch alike (the server's `--memory shared`); fp32 takes it."""
     from specrt.errors import ConfigError
+    from specrt.runtime.batch.generator import open_batch
     with pytest.raises(ConfigError, match="memory='fast'"):
         SpeculativeGenerator(tiny_int4_engines, memory="shared")
+    with pytest.raises(ConfigError, match="memory='fast'"):
+        open_batch(tiny_int4_engines, max_num_seqs=1, memory="shared")
     SpeculativeGenerator(tiny_self_engines, memory="shared")
+    open_batch(tiny_self_engines, max_num_seqs=1, memory="shared").close()
 
 
 # --- the target's n-gram table (runtime/ngrams.py, calibration/ngrams.py) -------------------

@@ -287,9 +287,10 @@ class BatchGenerator:
     def _run(self) -> None:
         eng = self.engine
         while True:
-            if self.feed is not None and not self._closed and eng.active + eng.queued < eng.max_num_seqs:
+            feed = self.feed          # (read once: close() may clear it meanwhile)
+            if feed is not None and not self._closed and eng.active + eng.queued < eng.max_num_seqs:
                 try:
-                    self.feed()
+                    feed()
                 except Exception:           # the caller's queue: its failure must not stop the engine
                     log.exception("the engine's feed failed")
             try:
