@@ -1,4 +1,5 @@
-"""The checks behind scripts/gpu_check.sh. GPU-ONLY: this has not yet run on a GPU.
+"""The checks behind scripts/gpu_check.sh. GPU-ONLY: ran once, on an H100 with the tiny model
+(2026-12-05, docs/gpu.md); the default model's run has not finished on a GPU yet.
 
 Per model (the tiny random llama always; the default SmolLM2 when its GGUF is present):
   1. export gqa and standard graphs at fp32 and fp16 (specrt.export.onnx_export)
@@ -70,6 +71,7 @@ def greedy_status(report: dict) -> tuple[str, str]:
 
 def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results, *, polygraphy: str) -> None:
     from specrt.builder.gates import precision
+    from specrt.errors import ParityError
     from specrt.export import onnx_export, sources
 
     lm = sources.load_source(src)
@@ -93,9 +95,22 @@ def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results
         results.run(f"{name} {att}: fp16 vs fp32, both on ORT CPU", lambda att=att: cmp(att))
     results.run(f"{name} gqa static total: fp16 vs fp32, both on ORT CPU", lambda: cmp("gqa", low="fp16s"))
     if probe.ort_cuda:
-        for att, low in (("gqa", "fp16"), ("gqa", "fp16s"), ("standard", "fp16")):
+        for att, low in (("gqa", "fp16s"), ("standard", "fp16")):
             results.run(f"{name} {att} {low}: on ORT CUDA vs fp32 on ORT CPU",
                         lambda att=att, low=low: cmp(att, CUDA, low=low))
+
+        def computed_total():
+            # the CPU form (total_sequence_length computed from past_len): the CUDA backends
+            # refuse it (ort_cuda._check_static_total); reported, not gated, to see whether a
+            # later ONNX Runtime fixes it (2026-12-05, ORT 1.31.1, H100: prefill off by 17)
+            try:
+                status, detail = cmp("gqa", CUDA, low="fp16")
+            except ParityError as e:
+                status, detail = "FAIL", str(e)
+            return "INFO", f"refused on CUDA by the runtime; {status}: {detail}"
+
+        results.run(f"{name} gqa fp16, computed total_sequence_length: on ORT CUDA vs fp32 on ORT CPU",
+                    computed_total)
         results.run(f"{name} standard: fp32 on ORT CUDA vs fp32 on ORT CPU",
                     lambda: cmp("standard", CUDA, low="fp32"))
     else:
@@ -190,6 +205,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/specrt-gpu-check"))
     ap.add_argument("--skip-default", action="store_true", help="only the tiny model")
+    ap.add_argument("--skip-tiny", action="store_true", help="only the default model")
     args = ap.parse_args(argv)
     from specrt.builder.config import DEFAULT_MODEL
     from specrt.builder.backend import probe, select_backend
@@ -203,10 +219,13 @@ def main(argv=None) -> int:
     print(f"gpu_check: probe {p}; auto backend -> {select_backend('auto', p)}", flush=True)
     results = Results()
     polygraphy = str(Path(sys.executable).parent / "polygraphy")
-    import tiny_models
-    tiny = tiny_models.make_tiny_model_dir(args.out / "tiny-model", "llama", layers=2)
-    check_model("tiny", tiny, Shapes(batch=1, max_context=64, prefill_chunk=16, k=3), args.out, p, results,
-                polygraphy=polygraphy)
+    if args.skip_tiny:
+        results.add("tiny model", "NOT RUN", "--skip-tiny")
+    else:
+        import tiny_models
+        tiny = tiny_models.make_tiny_model_dir(args.out / "tiny-model", "llama", layers=2)
+        check_model("tiny", tiny, Shapes(batch=1, max_context=64, prefill_chunk=16, k=3), args.out, p, results,
+                    polygraphy=polygraphy)
     default = ROOT / DEFAULT_MODEL
     if args.skip_default:
         results.add("default model", "NOT RUN", "--skip-default")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the specrt GPU path. GPU-ONLY: it has not yet run on a GPU.
+# GPU check of the specrt GPU path. GPU-ONLY: ran once, on an H100 with the tiny model (docs/gpu.md).
 #
 # On a machine with an NVIDIA GPU it builds the tiny model's and (when present) the default
 # model's graphs in the GPU variants (fp16 gqa for ONNX Runtime CUDA, fp16 standard-op for

@@ -89,9 +89,18 @@ class SessionGraphSet:
 
         from specrt.runtime.backends.ort_cpu import session_options
         directory, graphs, dims = Path(directory), part["graphs"], part["dims"]
+        if "CUDAExecutionProvider" in providers and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()   # the nvidia-* wheels' CUDA/cuDNN libraries (GPU.md A9)
         self.sessions = {g: ort.InferenceSession(str(directory / e["file"]), session_options(threads),
                                                  providers=list(providers))   # the runtime's thread pool
                          for g, e in graphs.items()}
+        for g, sess in self.sessions.items():
+            # ONNX Runtime falls back to the CPU when a provider fails to load (a missing CUDA
+            # library): a comparison that ran on the CPU would pass without checking anything
+            if sess.get_providers()[0] != providers[0]:
+                raise RuntimeError(f"{g}: ONNX Runtime runs it on {sess.get_providers()} although "
+                                   f"{providers[0]} was asked for (the provider failed to load: see "
+                                   "ONNX Runtime's log above, e.g. a missing CUDA library)")
         self.tokens = {g: e["tokens"] for g, e in graphs.items()}
         self.layers = int(dims["layers"])
         shape = (1, int(dims["kv_heads"]), capacity, int(dims["head_dim"]))

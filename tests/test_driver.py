@@ -32,6 +32,22 @@ def test_greedy_is_the_runtimes_plain_decoding(tiny_engines):
         assert driver.greedy(gs, prompt, 12).tokens == plain
 
 
+def test_a_session_graph_set_refuses_a_provider_onnx_runtime_did_not_load(tiny_engines):
+    """scripts/gpu_check.py compares graphs on CUDA through SessionGraphSet; ONNX Runtime
+    falls back to the CPU when CUDA fails to load, and a comparison run there would pass
+    while checking nothing. On this CPU-only machine CUDA never loads."""
+    import onnxruntime as ort
+    assert "CUDAExecutionProvider" not in ort.get_available_providers()
+    man = mf.load(tiny_engines)
+    part = {"graphs": {g: {"file": Path(e.file).name, "tokens": e.tokens} for g, e in man.target.graphs.items()},
+            "dims": man.target.dims}
+    with pytest.raises(RuntimeError, match="CUDAExecutionProvider was asked for"):
+        driver.graph_set(tiny_engines / "target", part, man.shapes.kv_capacity,
+                         providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+    cpu = driver.SessionGraphSet(tiny_engines / "target", part, man.shapes.kv_capacity, 2, ("CPUExecutionProvider",))
+    assert driver.greedy(cpu, LONG, 6).tokens == driver.greedy(_target(tiny_engines), LONG, 6).tokens
+
+
 def test_greedy_steps_pauses_before_each_step_and_runs_only_the_steps_that_choose_a_token(tiny_engines):
     gs = _target(tiny_engines)
     out = driver.Greedy(keep_rows=True, keep_prompt_rows=True)

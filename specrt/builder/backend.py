@@ -9,8 +9,8 @@ silently. `ort-cuda` is always honoured: its fp16 ONNX graphs are built and chec
 ONNX Runtime CPU, so a CPU machine can cross-build them; the reason then says that the
 CUDA execution was not verified (`cuda_verifiable(probe)` is False). The decision is a pure function of a `Probe`, so it is tested on CPU with fake
 probes; `probe()` looks at this machine (TensorRT and cuda-python are imported through the
-runtime's loaders, the only ones). The GPU backends themselves have not run on a GPU yet
-(docs/gpu.md).
+runtime's loaders, the only ones). On an H100 `probe()` found the GPU and onnxruntime-gpu
+and chose ort-cuda (2026-12-05); TensorRT has never run (docs/gpu.md).
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ is a cross-build (a warning, and `device.cuda_execution_verified: false`). The f
 exports are only references and are deleted; the folder holds the fp16 graphs (and the
 TensorRT plans), described entirely by manifest.json.
 
-The CUDA comparison and the TensorRT engine build are GPU-ONLY, NOT YET RUN ON A GPU
-(tested on CPU with a fake `tensorrt` and a pretend probe).
+The CUDA comparison is GPU-ONLY and ran once on an H100 (tiny model, docs/gpu.md); the
+TensorRT engine build is GPU-ONLY, NOT YET RUN ON A GPU (tested on CPU with a fake
+`tensorrt` and a pretend probe).
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _fp16_model(cfg: BuildConfig, lm, reference, tmp: Path, role: str, graphs: t
     prompt = prompts[0][: shapes.max_context - n - 1]
     report = precision.compare(ref_dir, fp32, tmp / role, part, shapes, prompt=prompt, new_tokens=n)
     par = {"fp32_export": fp32_parity, "fp16_vs_fp32": {**report, "provider": "CPUExecutionProvider"}}
-    if providers:   # GPU-ONLY, NOT YET RUN ON A GPU: the fp16 graphs on CUDA against fp32 on the CPU
+    if providers:   # GPU-ONLY, ran once on an H100 (docs/gpu.md): the fp16 graphs on CUDA against fp32 on the CPU
         par["fp16_cuda_vs_fp32_cpu"] = {**precision.compare(ref_dir, fp32, tmp / role, part, shapes, prompt=prompt,
                                                             new_tokens=n, providers=providers),
                                         "provider": providers[0]}

@@ -241,8 +241,9 @@ def test_cuda_execution_refuses_fp32_or_returned_kv_graphs(built):
         ort_cuda.OrtCudaModel(built.root, returned, SHAPES, ort=cuda).activate()
 
 
-def test_a_graph_that_computes_total_sequence_length_is_refused_for_capture(built, tmp_path):
-    """Without static_total ORT would read the length on the host once and freeze it in the graph."""
+def test_a_graph_that_computes_total_sequence_length_is_refused_for_capture_and_on_cuda(built, tmp_path):
+    """Without static_total ORT would read the length on the host once and freeze it in the graph;
+    on CUDA it is refused without capture too (wrong prompt logits on an H100, ORT 1.31.1)."""
     from specrt.export import onnx_export, sources
     from tiny_models import make_tiny_model_dir
     lm = sources.load_source(make_tiny_model_dir(tmp_path / "m", "llama", layers=1))
@@ -251,6 +252,9 @@ def test_a_graph_that_computes_total_sequence_length_is_refused_for_capture(buil
     entry = _entry("target", part, "dyn", "float16", "llama")
     with pytest.raises(ManifestError, match="total_sequence_length"):
         ort_cuda.OrtCudaModel(tmp_path, entry, SHAPES, execution="cpu").activate()
+    cuda = types.SimpleNamespace(__version__="1.31.1", get_available_providers=lambda: ["CUDAExecutionProvider"])
+    with pytest.raises(ManifestError, match="wrong prompt logits"):
+        ort_cuda.OrtCudaModel(tmp_path, entry, SHAPES, ort=cuda, cuda_graphs=False).activate()
     m = ort_cuda.OrtCudaModel(tmp_path, entry, SHAPES, execution="cpu", cuda_graphs=False).activate()
     assert m.step("decode", [3], 0).shape == (1, int(part["dims"]["vocab"]))
 

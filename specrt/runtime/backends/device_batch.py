@@ -178,7 +178,7 @@ class DeviceBatchModel:
                                 "graph, the int4 default, is a CPU option)")
         path = Path(root) / files.pop()
         capture = cuda_graphs and execution == "cuda"
-        if capture:
+        if capture or execution == "cuda":
             _check_static_total(path, shapes.kv_capacity)
         providers = _providers(capture, device_id) if execution == "cuda" else ["CPUExecutionProvider"]
         try:

@@ -14,7 +14,9 @@ manifests with device {"backend": "onnxruntime", "kind": "cuda"}.
 `execution="cpu"` runs the same class on CPUExecutionProvider with CPU OrtValues and the
 CPU capture emulation (device.CpuDevice semantics): that is how the tests drive the real
 fp16 graphs, the in-place updates and the graph lifecycle without a GPU. Everything that
-differs on CUDA is in ort_device.OrtCudaDevice and `_providers`, marked GPU-ONLY.
+differs on CUDA is in ort_device.OrtCudaDevice and `_providers`, marked GPU-ONLY. It ran
+once on an H100 (tiny model, 2026-12-05; docs/gpu.md): output identical to the fp32 CPU
+engines, decode captured and replayed; the verify window was never captured there.
 """
 from __future__ import annotations
 
@@ -120,6 +122,9 @@ class OrtCudaModel(DeviceRunner):
                 raise ManifestError(f"the {entry.role} KV cache is {dt['kv']}; ONNX Runtime's CUDA GroupQueryAttention "
                                     "runs fp16 only: rebuild with `specrt build --backend ort-cuda` (fp16 graphs)")
             _require_cuda_provider(ort)
+            for g in self.names:   # with or without capture: see _check_static_total
+                if (path := self.root / entry.graphs[g].file).is_file():
+                    _check_static_total(path, self.shapes.kv_capacity)
             device = OrtCudaDevice(ort, self._device_id)
         else:
             device = OrtDevice(ort, "cpu")
@@ -216,7 +221,7 @@ def _require_cuda_provider(ort, built_for: dict | None = None) -> None:
 
 
 def _preload(ort) -> None:
-    """GPU-ONLY, NOT YET RUN ON A GPU. Load the CUDA/cuDNN libraries of the nvidia-* wheels
+    """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md). Load the CUDA/cuDNN libraries of the nvidia-* wheels
     (ORT >= 1.21: `onnxruntime.preload_dlls`, GPU.md A9) before the first CUDA session."""
     global _preloaded
     if not _preloaded and hasattr(ort, "preload_dlls"):
@@ -225,14 +230,17 @@ def _preload(ort) -> None:
 
 
 def _providers(capture: bool, device_id: int) -> list:
-    """GPU-ONLY, NOT YET RUN ON A GPU. CUDA provider options: CUDA graphs only for the
+    """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md). CUDA provider options: CUDA graphs only for the
     graphs that are captured (decode, verify); prefill sessions never capture."""
     return [("CUDAExecutionProvider", {"device_id": str(device_id), "enable_cuda_graph": "1" if capture else "0"})]
 
 
 def _check_static_total(path: Path, capacity: int) -> None:
     """Every GroupQueryAttention reads a constant total_sequence_length (= the buffer length):
-    ORT reads that input on the host, so a computed one would be frozen into the CUDA graph."""
+    ORT reads that input on the host, so a computed one would be frozen into the CUDA graph.
+    Required on CUDA with or without capture: measured on an H100 (2026-12-05, onnxruntime-gpu
+    1.31.1, scripts/gpu_check.sh), the fp16 gqa graph with a computed length gave prefill
+    logits off by up to 17 (tolerance 0.32) on the tiny model, the constant-length form 0.05."""
     proto = onnx.load(str(path), load_external_data=False)
     consts = {i.name for i in proto.graph.initializer}
     consts |= {n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
@@ -241,8 +249,9 @@ def _check_static_total(path: Path, capacity: int) -> None:
     if not gqa or computed:
         raise ManifestError(
             f"{path} computes GroupQueryAttention's total_sequence_length ({', '.join(computed[:3]) or 'no GQA'}); "
-            f"under a CUDA graph it must be the constant buffer length {capacity}: rebuild with "
-            "`specrt build --backend ort-cuda` (static total_sequence_length), or pass cuda_graphs=False")
+            f"on CUDA it must be the constant buffer length {capacity} (a computed one is frozen into a "
+            "CUDA graph, and gave wrong prompt logits on ONNX Runtime 1.31.1 CUDA even without one): rebuild "
+            "with `specrt build --backend ort-cuda` (static total_sequence_length)")
 
 
 def _import_ort():

@@ -49,7 +49,7 @@ class OrtDevice(CpuDevice):
 
 
 class OrtCudaDevice(OrtDevice):
-    """GPU-ONLY, NOT YET RUN ON A GPU. CUDA OrtValues; graphs are ONNX Runtime's own, chosen
+    """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md). CUDA OrtValues; graphs are ONNX Runtime's own, chosen
     per run by the run option `gpu_graph_id` (GPU.md A1/A8): eager runs use -1, a graph's
     first run with its id captures it (after up to ORT_PRECAPTURE_RUNS regular runs ORT
     makes itself), later runs with the id replay it."""
@@ -64,7 +64,7 @@ class OrtCudaDevice(OrtDevice):
         return ro
 
     def eager(self, step: Step) -> None:
-        """GPU-ONLY, NOT YET RUN ON A GPU."""
+        """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md)."""
         step.run(self.eager_options)
 
     def copy(self, dst: Buffer, dst_offset: int, src: Buffer, src_offset: int, nbytes: int) -> None:
@@ -78,14 +78,14 @@ class OrtCudaDevice(OrtDevice):
             raise BackendError(f"cudaMemcpy of a cache row failed ({err}): check the GPU (nvidia-smi)")
 
     def capture(self, step: Step):
-        """GPU-ONLY, NOT YET RUN ON A GPU. Failures are CaptureError (the lifecycle runs the step eagerly)."""
+        """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md). Failures are CaptureError (the lifecycle runs the step eagerly)."""
         graph_id = str(next(_graph_ids))
         graph = {"id": graph_id, "options": self._options(graph_id), "step": step, "runs": 0}
         self._run(graph)
         return graph
 
     def replay(self, graph) -> None:
-        """GPU-ONLY, NOT YET RUN ON A GPU."""
+        """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md)."""
         self._run(graph)
 
     def _run(self, graph) -> None:
