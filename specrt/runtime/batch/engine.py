@@ -259,13 +259,17 @@ class BatchEngine:
         self._unforked = list(row.req.siblings)
         self._first_token(row, last)
         while self._unforked:
-            self._fork(row, slot, self._unforked.pop(0), last)
+            self._fork(row, slot, last)
 
-    def _fork(self, row: Row, slot: int, req: Request, last: np.ndarray) -> None:
-        """Another sample of row's prompt, just prefilled in cache row `slot`: the prompt's K/V
-        copied into the next free row (and the draft's, with its own cache), its first token
-        chosen from the same logits with its own seed and grammar."""
+    def _fork(self, row: Row, slot: int, last: np.ndarray) -> None:
+        """The next sample in `_unforked` of row's prompt, just prefilled in cache row `slot`: the
+        prompt's K/V copied into the next free row (and the draft's, with its own cache), its first
+        token chosen from the same logits with its own seed and grammar. It leaves `_unforked` only
+        as it becomes a row (or is told it was cancelled): a copy that raises leaves it there, for
+        fail_all to tell."""
+        req = self._unforked[0]
         if req.cancelled.is_set():
+            self._unforked.pop(0)
             req.sink(Done("cancelled", len(req.prompt), 0, Row(req, 0, None, {}, 0).metrics))
             return
         child = Row(req, row.budget, self.tokenizer, self.policy.priors, self.k_max)
@@ -275,6 +279,7 @@ class BatchEngine:
         if self._own_draft:
             self.draft.cache.move_row(slot, dst, row.draft_len)
             child.draft_len = row.draft_len
+        self._unforked.pop(0)
         self.rows.append(child)
         self._first_token(child, last)
 
@@ -555,9 +560,9 @@ class BatchEngine:
                 self._move(last, i, self.rows[last])
                 self.rows[i] = self.rows[last]
             self.rows.pop()
+            self._finish(row)                  # told first: once popped, fail_all would not tell it
             if self.pending is not None:       # keep it right after the running rows
                 self._move(last + 1, last, self.pending)
-            self._finish(row)
         if self.pending is not None and self.pending.finish is not None:
             row, self.pending = self.pending, None
             self._finish(row)

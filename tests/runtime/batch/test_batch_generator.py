@@ -143,3 +143,48 @@ def test_a_model_error_fails_the_running_requests_and_the_engine_serves_the_next
         gen.generate(PROMPTS[1], max_new_tokens=10)
     c = gen.generate(PROMPTS[0], max_new_tokens=6, sampling=SamplingParams(temperature=0.5, seed=3))
     assert c.tokens == reference(gen.lm, PROMPTS[0], 6, SamplingParams(temperature=0.5), 3)[0]
+
+
+def _move_fails(monkeypatch, cache, src: int, dst: int) -> list:
+    """The cache's next move of row src into row dst raises (a device error mid-step)."""
+    real, seen = cache.move_row, []
+
+    def move_row(s, d, length):
+        if (s, d) == (src, dst) and not seen:
+            seen.append((s, d))
+            raise RuntimeError("device lost while moving a row")
+        return real(s, d, length)
+
+    monkeypatch.setattr(cache, "move_row", move_row)
+    return seen
+
+
+def test_a_sample_whose_row_copy_fails_is_told_and_none_waits_for_ever(monkeypatch):
+    """n=3: the copy of the prefilled prompt into the first sample's row raises. Every sample
+    gets its error (a sample taken off the to-fork list before its copy succeeded would wait
+    for ever), and the engine serves the next request."""
+    eng, lm = make_engine(3, tokenizer=FakeTokenizer(EOS), draft=False)
+    seen = _move_fails(monkeypatch, eng.target.cache, 0, 1)
+    with BatchGenerator(eng, FakeTokenizer(EOS)) as g:
+        handles = g.submit_n(PROMPTS[0], 3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=1))
+        for h in handles:
+            with pytest.raises(SpecrtError, match="device lost"):
+                h.result(timeout=60)
+        assert seen == [(0, 1)]
+        assert g.generate(PROMPTS[1], max_new_tokens=5).tokens == reference(lm, PROMPTS[1], 5)[0]
+
+
+def test_a_finished_row_is_told_before_the_prefilling_row_moves_down(monkeypatch):
+    """Two rows: A (short) runs while B's long prompt is prefilled in the next cache row; A
+    ends, and moving B down into A's row raises. A still gets its answer (a row popped before
+    the move that failed would wait for ever), B its error."""
+    eng, lm = make_engine(2, tokenizer=FakeTokenizer(EOS), draft=False, lookup=False)
+    seen = _move_fails(monkeypatch, eng.target.cache, 1, 0)
+    with BatchGenerator(eng, FakeTokenizer(EOS)) as g:
+        hold_until_added(eng, 2, monkeypatch)
+        a = g.submit(PROMPTS[0], max_new_tokens=2, ignore_eos=True)
+        b = g.submit(list(range(1, 14)) * 4, max_new_tokens=4)       # 52 tokens: 7 chunks of 8
+        assert a.result(timeout=60).tokens == reference(lm, PROMPTS[0], 2, eos=None)[0]
+        with pytest.raises(SpecrtError, match="device lost"):
+            b.result(timeout=60)
+        assert seen == [(1, 0)]
