@@ -74,7 +74,8 @@ def build_entry(directory: Path, graphs: dict, dims: dict) -> mf.ModelEntry:
                  "sha256": "", "initializers": {}},
         source={},
         kv={"dtype": kv_dtype, "update": "in_place" if mf.IO_NAMES["present_key"] % 0 in outputs else "returned"},
-        io={**mf.IO_NAMES, "dtypes": {"input_ids": "int64", "past_len": "int64",
+        io={**mf.IO_NAMES, **({"hidden_states": mf.HIDDEN_STATES} if mf.HIDDEN_STATES in outputs else {}),
+            "dtypes": {"input_ids": "int64", "past_len": "int64",
                                       "logits": name.get(types.get(mf.IO_NAMES["logits"]), "float32"),
                                       "kv": kv_dtype}})
 

@@ -42,6 +42,9 @@ LOGIT_POS = "logit_pos"
 KV_POS = "kv_pos"          # batched "rows" graphs: the cache positions a call reads, [L] = 0..L-1
 KV_UPDATES = ("returned", "in_place")   # ModelEntry.kv["update"]
 PER_LAYER_IO = tuple(k for k, v in IO_NAMES.items() if "%d" in v)
+# the optional output of graphs exported with hidden_layers (export/graph.py): chosen decoder
+# layers' outputs [1, T, n * hidden] fp32, for trained draft heads (issue 29)
+HIDDEN_STATES = "hidden_states"
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,12 @@ def _check_structure(raw: dict) -> None:
             v = m["dims"].get(key)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SHAPE:
                 raise ValueError(f"models.{role}.dims.{key}={v!r} is not an integer in [1, {MAX_SHAPE}]")
+        hidden = m["dims"].get("hidden_layers")
+        if hidden is not None and not (isinstance(hidden, list) and hidden and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < m["dims"]["layers"] for i in hidden)
+                and sorted(set(hidden)) == hidden):
+            raise ValueError(f"models.{role}.dims.hidden_layers={hidden!r} must be increasing layer indices in "
+                             f"[0, {m['dims']['layers']})")
         w = m["weights"]
         if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
                 and isinstance(w.get("initializers"), dict)):

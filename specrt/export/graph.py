@@ -65,12 +65,20 @@ class StaticDecoder(nn.Module):
     def __init__(self, spec: ArchSpec, dims: Dims, sd: dict, *, tokens: int, kv_capacity: int,
                  inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
                  attention: str = "portable", dtype: torch.dtype = torch.float32, static_total: bool = False,
-                 local_rope: tuple[torch.Tensor, float] | None = None):
+                 local_rope: tuple[torch.Tensor, float] | None = None, hidden_layers: tuple[int, ...] = ()):
         # local_rope: (inv_freq, attention_scaling) of the layers whose Dims.rotary is "local"
         # (Gemma 3's sliding layers); inv_freq/attention_scaling are the "global" table
+        # hidden_layers: one more output, `hidden_states` [1, T, len(hidden_layers) * hidden] fp32,
+        # the outputs of those decoder layers (before the final norm) side by side, for trained
+        # draft heads (EAGLE-3 reads three); () exports the graph without it
         super().__init__()
         assert attention in ATTENTION + BATCHED_ONLY, attention
         self.spec, self.dims, self.T, self.M, self.attention = spec, dims, tokens, kv_capacity, attention
+        self.hidden_layers = tuple(hidden_layers)
+        if sorted(set(self.hidden_layers)) != list(self.hidden_layers) or \
+                any(not 0 <= i < dims.layers for i in self.hidden_layers):
+            raise ExportError(f"hidden_layers={list(self.hidden_layers)}: give increasing layer indices in "
+                              f"0..{dims.layers - 1} (the model has {dims.layers} layers)")
         W = spec.weights
         # lm_head is stored [C, V] so MatMul's B is a plain initializer (quantizable); a tied
         # model gathers its embeddings from the same table by column: one copy of V*C weights
@@ -154,11 +162,12 @@ class StaticDecoder(nn.Module):
         if self.attention == "standard":
             return self._forward_standard(x, past_len, pos, past, ropes)
         masks = self._masks(past_len, pos)
-        new_kv = []
+        new_kv, taps = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, past[2 * i], past[2 * i + 1], *masks[layer.window], ropes[layer.rotary])
             new_kv += [k, v]
-        return (self._head(x), *new_kv)
+            self._tap(i, x, taps)
+        return self._outputs(x, new_kv, taps)
 
     def _ropes(self, pos) -> dict:
         """Each rotary table the layers use, at positions pos [T]: kind -> (cos [T, D], sin [T, D],
@@ -213,11 +222,12 @@ class StaticDecoder(nn.Module):
             tables["global"] = (self.cos_cache, self.sin_cache)
             if hasattr(self, "cos_cache_local"):
                 tables["local"] = (self.cos_cache_local, self.sin_cache_local)
-        present = []
+        present, taps = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer.forward_gqa(x, past[2 * i], past[2 * i + 1], seqlens, total, tables[layer.rotary])
             present += [k, v]
-        return (self._head(x), *present)
+            self._tap(i, x, taps)
+        return self._outputs(x, present, taps)
 
     def _forward_standard(self, x, past_len, pos, past, ropes):
         # row t may attend to cache rows j <= past_len + t (the cache already holds row t itself),
@@ -226,12 +236,23 @@ class StaticDecoder(nn.Module):
         causal = self.cache_pos[None, :] <= pos[:, None]                           # [T, M]
         attend = {w: (causal if w is None else causal & (self.cache_pos[None, :] > (pos - w)[:, None]))
                   .reshape(1, 1, T, M) for w in {layer.window for layer in self.layers}}   # [1, 1, T, M] bool
-        present = []
+        present, taps = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend[layer.window],
                                              ropes[layer.rotary])
             present += [k, v]
-        return (self._head(x), *present)
+            self._tap(i, x, taps)
+        return self._outputs(x, present, taps)
+
+    def _tap(self, i: int, x, taps: list) -> None:
+        if i in self.hidden_layers:
+            taps.append(x)
+
+    def _outputs(self, x, kv: list, taps: list) -> tuple:
+        """(logits, *K/V) and, with hidden_layers, the tapped layers' outputs [1, T, n * C] fp32."""
+        if not self.hidden_layers:
+            return (self._head(x), *kv)
+        return (self._head(x), *kv, torch.cat(taps, dim=-1).float())
 
     def _head(self, x):
         return self._logits(self._final_norm(x))

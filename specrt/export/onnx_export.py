@@ -38,7 +38,7 @@ def graph_tokens(shapes: mf.Shapes) -> dict[str, int]:
 
 def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: int | None = None,
                  attention: str = "portable", precision: str = "fp32", static_total: bool = False,
-                 batch: int | str | None = None) -> StaticDecoder:
+                 batch: int | str | None = None, hidden_layers: tuple[int, ...] = ()) -> StaticDecoder:
     """batch None: today's one-row graph (graph.py). batch an int or "dynamic": the per-row
     contract of export/batch.py, where tokens may be "dynamic" too."""
     if batch is None and attention in BATCHED_ONLY:
@@ -48,7 +48,11 @@ def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: i
     kw = dict(kv_capacity=kv_capacity, inv_freq=lm.inv_freq, attention_scaling=lm.attention_scaling,
               attention=attention, dtype=DTYPES[precision], static_total=static_total, local_rope=lm.local_rope)
     if batch is None:
-        return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, **kw).eval()
+        return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, hidden_layers=hidden_layers,
+                             **kw).eval()
+    if hidden_layers:
+        raise ExportError("hidden_layers: the batched graph does not return hidden states yet; export the "
+                          "one-row graphs (batch=None)")
     return BatchedDecoder(lm.spec, dims, lm.model.state_dict(), batch=batch, tokens=tokens, **kw).eval()
 
 
@@ -58,14 +62,15 @@ def _replace_layers(dims, layers):
 
 
 def io_names(layers: int, in_place: bool = False, batched: bool = False,
-             kv_pos: bool = False) -> tuple[list[str], list[str]]:
-    """batched: the per-row contract's inputs (export/batch.py), with logit_pos after past_len."""
+             kv_pos: bool = False, hidden: bool = False) -> tuple[list[str], list[str]]:
+    """batched: the per-row contract's inputs (export/batch.py), with logit_pos after past_len.
+    hidden: the graph also returns `hidden_states` (last, after the K/V)."""
     n = mf.IO_NAMES
     out = ("present_key", "present_value") if in_place else ("new_key", "new_value")
     past = [n[kv] % i for i in range(layers) for kv in ("past_key", "past_value")]
     new = [n[kv] % i for i in range(layers) for kv in out]
     return ([n["input_ids"], n["past_len"], *([mf.LOGIT_POS] if batched else []), *([mf.KV_POS] if kv_pos else []),
-             *past], [n["logits"], *new])
+             *past], [n["logits"], *new, *([mf.HIDDEN_STATES] if hidden else [])])
 
 
 EXPORTER_LOGGER = "torch.onnx._internal.exporter._registration"
@@ -98,7 +103,8 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     d, T = module.dims, module.T
     args = module.example_inputs()
     inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE,
-                               batched=isinstance(module, BatchedDecoder), kv_pos=module.attention == "rows")
+                               batched=isinstance(module, BatchedDecoder), kv_pos=module.attention == "rows",
+                               hidden=bool(getattr(module, "hidden_layers", ())))
     quiet = io.StringIO()
     # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar
     try:
@@ -132,7 +138,7 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
 def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("prefill", "decode", "verify"),
                  layers: int | None = None, attention: str = "portable", precision: str = "fp32",
                  static_total: bool = False, progress=None, batch: int | str | None = None,
-                 tokens: dict[str, int | str] | None = None) -> dict:
+                 tokens: dict[str, int | str] | None = None, hidden_layers: tuple[int, ...] = ()) -> dict:
     """Export `graphs` of one model into out_dir (graph files + weights.bin). Returns the
     manifest fragment: graphs, weights index, dims.
 
@@ -142,7 +148,10 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     batch: None (default) exports today's one-row graphs; an int (a static bucket) or
     "dynamic" exports the per-row contract of export/batch.py, recorded as `batch`.
     tokens: graph name -> T (an int or "dynamic"), instead of the shapes' windows; e.g.
-    {"step": "dynamic"} is one graph for prefill chunks, decode and verify (batched only)."""
+    {"step": "dynamic"} is one graph for prefill chunks, decode and verify (batched only).
+    hidden_layers: the graphs also return `hidden_states` [1, T, len * hidden] fp32, those
+    decoder layers' outputs side by side (for trained draft heads), recorded as
+    dims["hidden_layers"]; one-row graphs only, so far."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokens is not None:
         if batch is None and DYNAMIC in tokens.values():
@@ -154,17 +163,19 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
         for g in graphs:
             t0 = time.perf_counter()
             module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention, precision, static_total,
-                                  batch)
+                                  batch, tuple(hidden_layers))
             fused[g] = export_graph(module, Path(tmp) / f"{g}.onnx")
             protos[g] = onnx.load(str(Path(tmp) / f"{g}.onnx"))
             timings[g] = round(time.perf_counter() - t0, 1)
             if progress:
                 progress(g)
     entries, winfo = wpack.save_graphs(protos, out_dir, tokens)
-    dims = {**vars(lm.dims), **({"layers": layers} if layers else {})}
+    dims = {**vars(lm.dims), **({"layers": layers} if layers else {}),
+            **({"hidden_layers": list(hidden_layers)} if hidden_layers else {})}
     return {"graphs": entries, "weights": winfo, "dims": dims, "export_seconds": timings, "attention": attention,
             "kv_update": "in_place" if attention in IN_PLACE else "returned", "precision": precision,
             "kv_dtype": KV_DTYPE[precision],
             **({"total_sequence_length": "static"} if static_total and attention == "gqa" else {}),
             **({"batch": batch} if batch is not None else {}),
+
             **({"fusions": fused} if any(fused.values()) else {})}

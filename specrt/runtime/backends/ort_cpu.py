@@ -187,6 +187,7 @@ class GraphRunner:
             io["logits"]: (self.logits.shape, dt["logits"]),
             **{io[k] % i: kv if self.in_place else (kv_shape, dt["kv"])
                for i in range(entry.layers) for k in out_kv},
+            **hidden_output(entry, self.logits.shape[1]),
         })
         b = self.binding = self.session.io_binding()
         self._hold = []  # OrtValues must outlive the binding
@@ -210,6 +211,19 @@ class GraphRunner:
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.binding)
+
+
+def hidden_output(entry: ModelEntry, tokens: int) -> dict:
+    """The graphs' optional hidden-states output (export hidden_layers; read by trained draft
+    heads, not bound here, so ONNX Runtime does not return it): name -> (shape, dtype)."""
+    name = entry.io.get("hidden_states")
+    if name is None:
+        return {}
+    layers = entry.dims.get("hidden_layers")
+    if not layers:
+        raise ManifestError(f"the {entry.role} graphs return {name} but dims.hidden_layers says which layers it "
+                            "holds: the manifest is damaged; rebuild the engines")
+    return {name: ((1, tokens, len(layers) * int(entry.dims["hidden"])), "float32")}
 
 
 def io_dtypes(entry: ModelEntry) -> dict[str, str]:

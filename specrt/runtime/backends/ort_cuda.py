@@ -31,7 +31,8 @@ from specrt.runtime.backends.device import Buffer, DeviceKVCache, Step
 from specrt.runtime.backends.gpu_errors import INSTALL_CUDA, CudaUnavailableError
 from specrt.runtime.backends.lifecycle import GraphLifecycle, DeviceRunner
 from specrt.runtime.backends.ort_device import OrtCudaDevice, OrtDevice
-from specrt.runtime.backends.ort_cpu import DTYPES, _check_signature, check_weights_file, io_dtypes, session_options
+from specrt.runtime.backends.ort_cpu import DTYPES, _check_signature, check_weights_file, hidden_output, io_dtypes, \
+    session_options
 
 EXECUTIONS = ("cuda", "cpu")
 WARMUP_RUNS = 3          # eager runs per graph before capture (GPU.md A3: ORT needs >= 2, do >= 3)
@@ -149,6 +150,7 @@ class OrtCudaModel(DeviceRunner):
             }, {
                 io["logits"]: ((1, tokens, int(d["vocab"])), dt["logits"]),
                 **{io[k] % i: kv for i in range(entry.layers) for k in ("present_key", "present_value")},
+                **hidden_output(entry, tokens),
             })
             r = self.graphs[g] = _Graph(session, g, tokens, entry, self.cache, device)
             r.on_rebind = self.lifecycle.invalidate
