@@ -4,9 +4,10 @@
 Per model (the tiny random llama always; the default SmolLM2 when its GGUF is present):
   1. export gqa and standard graphs at fp32 and fp16 (specrt.export.onnx_export)
   2. fp16 vs fp32 on ONNX Runtime CPU (the reference the GPU runs are held to)
-  3. ort-cuda (when onnxruntime-gpu sees the GPU): fp16 graphs (gqa, gqa with a constant
+  3. ort-cuda (when onnxruntime-gpu sees the GPU): fp16 graphs (gqa with a constant
      total_sequence_length, standard) on CUDAExecutionProvider vs fp32 on CPU, and the fp32
-     standard graph on CUDA vs CPU
+     standard graph on CUDA vs CPU; gqa with a computed total_sequence_length reported as
+     INFO only (the CUDA backends refuse it: wrong prompt logits on the first run)
   4. tensorrt (when TensorRT imports): `polygraphy run --trt --onnxrt` on the fp16
      standard verify graph
   5. per GPU backend available (ort-cuda, tensorrt): `specrt build --backend B` of the
@@ -15,7 +16,8 @@ Per model (the tiny random llama always; the default SmolLM2 when its GGUF is pr
      without a draft) must agree with each other; their output against the fp32 CPU
      engines' plain greedy output, with the first divergence and the fp32 top-2 margin
      there (fp16 may flip near-ties); speculative vs plain decode tok/s; graph capture
-     counts and any eager fallback
+     counts and any eager fallback; for the tiny model also a build with a truncated
+     draft (speculative = plain, and the verify window captured)
 Greedy comparisons report the first divergence and the fp32 top-2 logit margin there: a
 flip at a margin within the logit tolerance is a near-tie (fp16 may flip those), a flip
 at a wider margin fails.
@@ -142,14 +144,24 @@ def check_model(name: str, src: Path, shapes, out: Path, probe, results: Results
                 results.run(f"{name} {backend}: generator, CUDA graphs {'on' if graphs_on else 'off'}",
                             lambda b=backend, on=graphs_on: check_generator(engines[b], cpu, {"cuda_graphs": on},
                                                                             prompt))
+        if backend in engines and name == "tiny":
+            # a draft model, so that every round verifies: prompt lookup rarely finds a guess in a
+            # random model's output, and the verify graph then never reaches capture (first run)
+            results.run(f"{name} {backend}: build with --draft truncate:1",
+                        lambda b=backend: _built(engines, b + "-draft", _build(
+                            src, shapes, out / name / f"engines-{b}-draft", b, draft="truncate:1")))
+            if backend + "-draft" in engines:
+                results.run(f"{name} {backend}: speculative (truncated draft) vs plain, CUDA graphs on",
+                            lambda b=backend: check_generator(engines[b + "-draft"], cpu, {"cuda_graphs": True},
+                                                              prompt, proposer="speculative"))
 
 
-def _build(src: Path, shapes, out: Path, backend: str) -> Path:
-    """engines for `backend`, no draft (speculation is then prompt lookup): the GPU backends'
-    default draft; the CPU reference is the fp32 target's plain greedy output."""
+def _build(src: Path, shapes, out: Path, backend: str, draft: str = "none") -> Path:
+    """engines for `backend`, by default no draft (speculation is then prompt lookup): the GPU
+    backends' default draft; the CPU reference is the fp32 target's plain greedy output."""
     from specrt.builder.config import BuildConfig
     from specrt.builder.pipeline import build
-    return build(BuildConfig(target=str(src), out=str(out), draft="none", max_context=shapes.max_context,
+    return build(BuildConfig(target=str(src), out=str(out), draft=draft, max_context=shapes.max_context,
                              prefill_chunk=shapes.prefill_chunk, k=shapes.k, backend=backend,
                              measure_costs=False), progress=False, force=True)
 
@@ -161,9 +173,11 @@ def _built(store: dict, backend: str, path: Path) -> tuple[str, str]:
     return "PASS", f"{path}: device {man['device']}; engines {man.get('engines', {}).get('tensorrt_version', '-')}"
 
 
-def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], n: int = 48) -> tuple[str, str]:
-    """Greedy on the GPU engines vs the fp32 CPU engines; plain vs prompt lookup on the GPU.
-    options: the backend's (e.g. {"cuda_graphs": False})."""
+def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], n: int = 48,
+                    proposer: str = "lookup") -> tuple[str, str]:
+    """Greedy on the GPU engines vs the fp32 CPU engines; plain vs `proposer` ("lookup", or
+    "speculative" on engines with a draft) on the GPU. options: the backend's (e.g.
+    {"cuda_graphs": False})."""
     import numpy as np
 
     from specrt.builder.gates.precision import FP16_ATOL, FP16_RTOL
@@ -173,16 +187,16 @@ def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], 
     ref_gen = SpeculativeGenerator(cpu, engine="one-row")   # its one-row graphs: stepped directly below
     gen = SpeculativeGenerator(engines, backend_options=options)
     prompts = [prompt, prompt[::-1], prompt[:7] * 3]
-    detail, status, tps = [], "PASS", {"plain": [], "lookup": []}
+    detail, status, tps = [], "PASS", {"plain": [], proposer: []}
     for p in prompts:
         ref = [e.token for e in ref_gen.tokens(p, max_new_tokens=n, method="plain")]
         got = {}
-        for method in ("plain", "lookup"):
+        for method in ("plain", proposer):
             got[method] = [e.token for e in gen.tokens(p, max_new_tokens=n, method=method)]
             tps[method].append(gen.last_metrics.decode_tokens_per_s)
-        if got["lookup"] != got["plain"]:
+        if got[proposer] != got["plain"]:
             status = "FAIL"
-            detail.append("prompt lookup output differs from plain on the GPU (must be identical)")
+            detail.append(f"{proposer} output differs from plain on the GPU (must be identical)")
         same = next((i for i, (a, b) in enumerate(zip(ref, got["plain"])) if a != b), None)
         if same is None:
             detail.append(f"{len(ref)}/{len(ref)} identical to fp32 CPU")
@@ -194,9 +208,11 @@ def check_generator(engines: Path, cpu: Path, options: dict, prompt: list[int], 
         if margin > tol:
             status = "FAIL"
     stats = getattr(gen.target, "graph_stats", lambda: {})()
+    if getattr(gen, "draft", None) is not None:
+        stats = {"target": stats, "draft": getattr(gen.draft, "graph_stats", lambda: {})()}
     fallbacks = getattr(gen.target, "eager_fallbacks", {})
-    plain, look = sum(tps["plain"]) / len(prompts), sum(tps["lookup"]) / len(prompts)
-    detail.append(f"decode tok/s plain {plain:.1f}, lookup {look:.1f} (x{look / plain:.2f}); graphs {stats}; "
+    plain, look = sum(tps["plain"]) / len(prompts), sum(tps[proposer]) / len(prompts)
+    detail.append(f"decode tok/s plain {plain:.1f}, {proposer} {look:.1f} (x{look / plain:.2f}); graphs {stats}; "
                   f"eager fallbacks {fallbacks or 'none'}")
     return status, " | ".join(detail)
 

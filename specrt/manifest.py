@@ -289,6 +289,10 @@ def _check_structure(raw: dict) -> None:
                 and sorted(set(hidden)) == hidden):
             raise ValueError(f"models.{role}.dims.hidden_layers={hidden!r} must be increasing layer indices in "
                              f"[0, {m['dims']['layers']})")
+        if (hidden is not None) != bool(m.get("io", {}).get("hidden_states")) or hidden is not None and not (
+                isinstance(m["dims"].get("hidden"), int) and 1 <= m["dims"]["hidden"] <= MAX_SHAPE):
+            raise ValueError(f"models.{role}: dims.hidden_layers ({hidden!r}) and io.hidden_states "
+                             f"({m.get('io', {}).get('hidden_states')!r}) come together, with dims.hidden")
         w = m["weights"]
         if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
                 and isinstance(w.get("initializers"), dict)):

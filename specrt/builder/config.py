@@ -62,7 +62,8 @@ BACKEND_SPECS = {
                            ("int8", "int8-dynamic", "none", "truncate", "model"), ("fp32", "int8", "int4")),
     "ort-cuda": BackendSpec(("gqa",), GPU_DEFAULT_DRAFT, "fp16", True, ("none", "truncate", "model"), ("fp32",),
                             "ONNX Runtime CUDA runs fp16 GroupQueryAttention graphs whose total_sequence_length "
-                            "is the constant buffer length, as CUDA-graph capture needs"),
+                            "is the constant buffer length (CUDA-graph capture needs it; a computed one gave wrong "
+                            "prompt logits on ORT 1.31.1 CUDA)"),
     "tensorrt": BackendSpec(("standard",), GPU_DEFAULT_DRAFT, "fp16", False, ("none", "truncate", "model"),
                             ("fp32",), "TensorRT's ONNX parser reads only the standard-op graphs "
                                        "(TensorScatter + Attention), in fp16"),

@@ -119,7 +119,7 @@ def _fp16_model(cfg: BuildConfig, lm, reference, tmp: Path, role: str, graphs: t
     shutil.rmtree(ref_dir)
     kv = {**steps.kv(cfg, None), "dtype": part["kv_dtype"]}
     if spec.static_total:
-        kv["total_sequence_length"] = "static: the graphs' GroupQueryAttention sees kv_capacity (CUDA-graph capture)"
+        kv["total_sequence_length"] = "static: the graphs' GroupQueryAttention sees kv_capacity (required on CUDA)"
     part.update(subdir=role, family=lm.spec.family, precision=spec.graph_precision, kv=kv, parity=par)
     return part
 

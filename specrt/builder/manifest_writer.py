@@ -33,7 +33,8 @@ def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
     weights = {**part["weights"], "file": f"{subdir}/{part['weights']['file']}"}
     io = {**mf.IO_NAMES, "dtypes": {"input_ids": "int64", "past_len": "int64", "logits": "float32",
                                     "kv": part["kv"]["dtype"]},
-          **{k: part[k] for k in mf.IO_COUNTS if k in part}}
+          **{k: part[k] for k in mf.IO_COUNTS if k in part},
+          **({"hidden_states": mf.HIDDEN_STATES} if part["dims"].get("hidden_layers") else {})}
     return mf.ModelEntry(role=role, family=part["family"], precision=part["precision"], dims=part["dims"],
                          graphs=graphs, weights=weights, source=part["source"], kv=part["kv"], io=io,
                          parity=part.get("parity", {}))

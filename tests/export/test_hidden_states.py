@@ -81,11 +81,19 @@ def test_bad_hidden_layers_are_refused(lm, tmp_path):
 def test_a_manifest_with_bad_hidden_layers_is_refused(tiny_engines, tmp_path):
     import json
     import shutil
-    for bad in ([], [0, 0], [99], "1", [True]):
+    def edited(layers, name):
         d = tmp_path / f"e{len(list(tmp_path.iterdir()))}"
         shutil.copytree(tiny_engines, d)
         raw = json.loads((d / "manifest.json").read_text())
-        raw["models"]["target"]["dims"]["hidden_layers"] = bad
+        if layers is not None:
+            raw["models"]["target"]["dims"]["hidden_layers"] = layers
+        if name is not None:
+            raw["models"]["target"]["io"]["hidden_states"] = name
         (d / "manifest.json").write_text(json.dumps(raw))
+        return d
+
+    for layers, name in (([], "hidden_states"), ([0, 0], "hidden_states"), ([99], "hidden_states"),
+                         ("1", "hidden_states"), ([True], "hidden_states"), ([0], None), (None, "hidden_states")):
         with pytest.raises(mf.ManifestError, match="hidden_layers"):
-            mf.load(d)
+            mf.load(edited(layers, name))
+    assert mf.load(edited([0], "hidden_states")).target.dims["hidden_layers"] == [0]

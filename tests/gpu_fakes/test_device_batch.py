@@ -67,3 +67,21 @@ def test_execution_must_be_known_and_cuda_needs_the_cuda_provider(tiny_batch_sam
         open_batch(tiny_batch_same_engines, max_num_seqs=2, buckets=(1, 2), execution="gpu")
     with pytest.raises(CudaUnavailableError):        # this machine's onnxruntime has no CUDA provider
         open_batch(tiny_batch_same_engines, max_num_seqs=2, buckets=(1, 2), execution="cuda")
+
+
+def test_on_cuda_the_cpu_batched_graph_is_refused_before_any_device_memory(tiny_batch_same_engines):
+    """A CUDA provider (pretended): the CPU build's batched graph has an fp32 cache and a
+    computed total_sequence_length; both are refused, naming why, before a device exists."""
+    import types
+
+    from specrt import manifest as mf
+    from specrt.errors import ManifestError
+    from specrt.runtime.backends.device_batch import DeviceBatchModel
+    man = mf.load(tiny_batch_same_engines)
+    cuda = types.SimpleNamespace(__version__="1.31.1", get_available_providers=lambda: ["CUDAExecutionProvider"])
+    with pytest.raises(ManifestError, match="fp16 only"):
+        DeviceBatchModel(tiny_batch_same_engines, man.batch, man.shapes, rows=2, ort=cuda)
+    fp16 = mf.ModelEntry(**{**vars(man.batch), "io": {**man.batch.io, "dtypes": {**man.batch.io.get("dtypes", {}),
+                                                                                 "kv": "float16"}}})
+    with pytest.raises(ManifestError, match="total_sequence_length.*CPU-only"):
+        DeviceBatchModel(tiny_batch_same_engines, fp16, man.shapes, rows=2, ort=cuda, cuda_graphs=False)

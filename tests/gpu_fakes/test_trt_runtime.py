@@ -180,6 +180,17 @@ def test_an_engine_whose_cache_output_does_not_alias_its_input_is_refused(world)
         _open(world)
 
 
+def test_graphs_with_a_hidden_states_output_are_refused_until_the_runner_binds_it(world):
+    from dataclasses import replace
+
+    from specrt.errors import ManifestError
+    e = world.entries["target"]
+    world.entries["target"] = replace(e, dims={**e.dims, "hidden": 8, "hidden_layers": [0]},
+                                      io={**e.io, "hidden_states": mf.HIDDEN_STATES})
+    with pytest.raises(ManifestError, match="does not bind it yet"):
+        _open(world)
+
+
 def test_a_plan_that_does_not_deserialize_or_is_truncated_says_rebuild(world):
     (world.root / "target" / "verify.plan").write_bytes(b"BAD verify plan!!!")
     with pytest.raises(BackendError, match="could not deserialize .*rebuild"):

@@ -21,7 +21,8 @@ the first positions of a prompt being prefilled (tests/gpu_fakes/test_device_bat
 
 GPU-ONLY, NOT YET RUN ON A GPU: execution "cuda" (OrtCudaDevice, the CUDA provider with
 `enable_cuda_graph`, device-to-device row moves). `specrt build --batch` does not yet make
-the fp16 batched graphs with a constant total_sequence_length that CUDA graphs need, and
+the fp16 batched graphs with a constant total_sequence_length that ONNX Runtime CUDA needs
+(with or without CUDA graphs: a computed one gave wrong prompt logits on an H100), and
 whether CUDA kernels keep a row's result independent of the bucket (batch invariance) must
 be measured on the GPU before it is trusted (docs/gpu.md). execution "cpu" runs this class on
 CPUExecutionProvider with CPU OrtValues and device.CpuDevice's capture emulation (which
@@ -38,6 +39,7 @@ import numpy as np
 from specrt.errors import BackendError, ConfigError, ManifestError
 from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, Step
+from specrt.runtime.backends.gpu_errors import INSTALL_CUDA, CudaUnavailableError
 from specrt.runtime.backends.lifecycle import GraphLifecycle
 from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, check_multi_token_rows
 from specrt.runtime.backends.ort_cpu import DTYPES, check_weights_file, io_dtypes, session_options
@@ -159,8 +161,22 @@ class DeviceBatchModel:
         self.plan = bucket_plan(rows, buckets)
         self.dtypes, d = io_dtypes(entry), entry.dims
         self.vocab = int(d["vocab"])
+        files = {g.file for g in entry.graphs.values()}
+        if len(files) != 1:
+            raise ManifestError(f"the {entry.role} model has {len(files)} graph files; device buckets run one batched "
+                                "graph: rebuild with `specrt build --batch --batch-prefill same` (the rowwise prefill "
+                                "graph, the int4 default, is a CPU option)")
+        path = Path(root) / files.pop()
+        capture = cuda_graphs and execution == "cuda"
         if execution == "cuda":        # GPU-ONLY, NOT YET RUN ON A GPU
             _require_cuda_provider(ort)
+            if self.dtypes["kv"] != "float16":
+                raise ManifestError(f"the {entry.role} KV cache is {self.dtypes['kv']}; ONNX Runtime's CUDA "
+                                    "GroupQueryAttention runs fp16 only: device buckets need fp16 batched graphs, which "
+                                    "no build makes yet (`specrt build --batch` is CPU-only)")
+        if capture or execution == "cuda":   # before any device memory: see ort_cuda._check_static_total
+            _check_static_total(path, shapes.kv_capacity, batched=True)
+        if execution == "cuda":
             self.device, self.ort_device = OrtCudaDevice(ort, device_id), "cuda"
         else:
             self.device, self.ort_device = OrtDevice(ort, "cpu"), "cpu"
@@ -171,21 +187,16 @@ class DeviceBatchModel:
         self.cache.on_move = self._moved
         self._extent = np.zeros(rows, np.int64)        # per cache row: end of what was last written
         check_weights_file(root, entry)
-        files = {g.file for g in entry.graphs.values()}
-        if len(files) != 1:
-            raise ManifestError(f"the {entry.role} model has {len(files)} graph files; device buckets run one batched "
-                                "graph: rebuild with `specrt build --batch --batch-prefill same` (the rowwise prefill "
-                                "graph, the int4 default, is a CPU option)")
-        path = Path(root) / files.pop()
-        capture = cuda_graphs and execution == "cuda"
-        if capture or execution == "cuda":
-            _check_static_total(path, shapes.kv_capacity)
         providers = _providers(capture, device_id) if execution == "cuda" else ["CPUExecutionProvider"]
         try:
             self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
         except Exception as e:
             raise BackendError(f"ONNX Runtime {ort.__version__} could not load {path} on {execution} "
                                f"({type(e).__name__}: {str(e).strip()[:500]})") from e
+        if execution == "cuda" and self.session.get_providers()[0] != "CUDAExecutionProvider":
+            raise CudaUnavailableError(f"ONNX Runtime fell back to {self.session.get_providers()[0]} for {path} (the "
+                                       f"CUDA provider failed to start: CUDA 13 / cuDNN 9 libraries missing?): "
+                                       f"{INSTALL_CUDA}")
         self.has_positions = any(i.name == LOGIT_POS for i in self.session.get_inputs())
         if any(i.name == KV_POS for i in self.session.get_inputs()):
             raise ManifestError(f"the {entry.role} graph was built with --batch-attention rows, whose calls read a "

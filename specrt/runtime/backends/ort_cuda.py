@@ -171,7 +171,7 @@ class OrtCudaModel(DeviceRunner):
     def _session(self, ort, path: Path, capture: bool):
         if not path.is_file():
             raise GraphFileError(f"graph file {path} is missing: rebuild the engines")
-        if capture:
+        if capture and self.execution != "cuda":    # on CUDA, activate checked every graph already
             _check_static_total(path, self.shapes.kv_capacity)
         so = session_options(self.threads)
         if self.profile_dir:
@@ -228,7 +228,7 @@ def _preload(ort) -> None:
     global _preloaded
     if not _preloaded and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    _preloaded = True
+        _preloaded = True
 
 
 def _providers(capture: bool, device_id: int) -> list:
@@ -237,7 +237,7 @@ def _providers(capture: bool, device_id: int) -> list:
     return [("CUDAExecutionProvider", {"device_id": str(device_id), "enable_cuda_graph": "1" if capture else "0"})]
 
 
-def _check_static_total(path: Path, capacity: int) -> None:
+def _check_static_total(path: Path, capacity: int, batched: bool = False) -> None:
     """Every GroupQueryAttention reads a constant total_sequence_length (= the buffer length):
     ORT reads that input on the host, so a computed one would be frozen into the CUDA graph.
     Required on CUDA with or without capture: measured on an H100 (2026-12-05, onnxruntime-gpu
@@ -252,8 +252,10 @@ def _check_static_total(path: Path, capacity: int) -> None:
         raise ManifestError(
             f"{path} computes GroupQueryAttention's total_sequence_length ({', '.join(computed[:3]) or 'no GQA'}); "
             f"on CUDA it must be the constant buffer length {capacity} (a computed one is frozen into a "
-            "CUDA graph, and gave wrong prompt logits on ONNX Runtime 1.31.1 CUDA even without one): rebuild "
-            "with `specrt build --backend ort-cuda` (static total_sequence_length)")
+            "CUDA graph, and gave wrong prompt logits on ONNX Runtime 1.31.1 CUDA even without one): "
+            + ("no build makes such batched graphs yet (`specrt build --batch` is CPU-only); run the batched "
+               "graph on the CPU" if batched else
+               "rebuild with `specrt build --backend ort-cuda` (static total_sequence_length)"))
 
 
 def _import_ort():

@@ -90,6 +90,9 @@ class _Engine:
 
     def __init__(self, trt, engine, name: str, tokens: int, entry: ModelEntry, cache: DeviceKVCache, device):
         io, dt, d = entry.io, io_dtypes(entry), entry.dims
+        if io.get("hidden_states"):
+            raise ManifestError(f"the {entry.role} graphs return {io['hidden_states']} (export hidden_layers); the "
+                                "TensorRT runner does not bind it yet: export without hidden_layers")
         self.name, self.tokens, self.engine = name, tokens, engine
         self.context = engine.create_execution_context()
         self.ids_host = device.host((1, tokens), DTYPES[dt["input_ids"]])

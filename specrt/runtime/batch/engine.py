@@ -556,11 +556,13 @@ class BatchEngine:
                 i += 1
                 continue
             last = len(self.rows) - 1
+            moved = self.rows.pop()            # the last row, which takes the gap (or row itself)
             if i != last:
-                self._move(last, i, self.rows[last])
-                self.rows[i] = self.rows[last]
-            self.rows.pop()
-            self._finish(row)                  # told first: once popped, fail_all would not tell it
+                self.rows[i] = moved
+            # told before any move below can raise: it is in no list fail_all reads any more
+            self._finish(row)
+            if i != last:
+                self._move(last, i, moved)
             if self.pending is not None:       # keep it right after the running rows
                 self._move(last + 1, last, self.pending)
         if self.pending is not None and self.pending.finish is not None:

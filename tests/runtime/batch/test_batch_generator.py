@@ -10,6 +10,7 @@ from test_batch_engine import EOS, PROMPTS, make_engine, reference
 
 from specrt.errors import OverloadedError, SpecrtError
 from specrt.runtime.batch.generator import BatchGenerator
+from specrt.runtime.batch.request import Delta, Done, Failed
 from specrt.runtime.sampling import SamplingParams
 
 
@@ -145,6 +146,7 @@ def test_a_model_error_fails_the_running_requests_and_the_engine_serves_the_next
     assert c.tokens == reference(gen.lm, PROMPTS[0], 6, SamplingParams(temperature=0.5), 3)[0]
 
 
+
 def _move_fails(monkeypatch, cache, src: int, dst: int) -> list:
     """The cache's next move of row src into row dst raises (a device error mid-step)."""
     real, seen = cache.move_row, []
@@ -159,32 +161,64 @@ def _move_fails(monkeypatch, cache, src: int, dst: int) -> list:
     return seen
 
 
-def test_a_sample_whose_row_copy_fails_is_told_and_none_waits_for_ever(monkeypatch):
-    """n=3: the copy of the prefilled prompt into the first sample's row raises. Every sample
-    gets its error (a sample taken off the to-fork list before its copy succeeded would wait
-    for ever), and the engine serves the next request."""
-    eng, lm = make_engine(3, tokenizer=FakeTokenizer(EOS), draft=False)
-    seen = _move_fails(monkeypatch, eng.target.cache, 0, 1)
+class Record:
+    """A request's sink: its events in order; `ended` once a Done or Failed came."""
+
+    def __init__(self):
+        self.events, self.ended = [], threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, (Done, Failed)):
+            self.ended.set()
+
+    def end(self):
+        assert self.ended.wait(60), "the request was never told how it ended"
+        return self.events[-1]
+
+    def ends(self) -> int:
+        return sum(isinstance(e, (Done, Failed)) for e in self.events)
+
+
+@pytest.mark.parametrize("own_draft", [False, True])
+def test_a_sample_whose_row_copy_fails_is_told_once_and_none_waits_for_ever(monkeypatch, own_draft):
+    """n=3: the copy of the prefilled prompt into the first sample's row raises (the target's
+    cache, or the draft's own). Every sample is told its error exactly once (a sample taken off
+    the to-fork list before its copy succeeded waited for ever), and the engine serves the next."""
+    eng, lm = make_engine(3, tokenizer=FakeTokenizer(EOS), draft=own_draft, own_draft=own_draft)
+    seen = _move_fails(monkeypatch, (eng.draft if own_draft else eng.target).cache, 0, 1)
+    sinks = [Record() for _ in range(3)]
     with BatchGenerator(eng, FakeTokenizer(EOS)) as g:
-        handles = g.submit_n(PROMPTS[0], 3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=1))
-        for h in handles:
-            with pytest.raises(SpecrtError, match="device lost"):
-                h.result(timeout=60)
+        g.submit_n(PROMPTS[0], 3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=1), sinks=sinks)
+        for r in sinks:
+            assert isinstance(r.end(), Failed) and "device lost" in str(r.end().error)
         assert seen == [(0, 1)]
         assert g.generate(PROMPTS[1], max_new_tokens=5).tokens == reference(lm, PROMPTS[1], 5)[0]
+    assert [r.ends() for r in sinks] == [1, 1, 1]
 
 
-def test_a_finished_row_is_told_before_the_prefilling_row_moves_down(monkeypatch):
-    """Two rows: A (short) runs while B's long prompt is prefilled in the next cache row; A
-    ends, and moving B down into A's row raises. A still gets its answer (a row popped before
-    the move that failed would wait for ever), B its error."""
-    eng, lm = make_engine(2, tokenizer=FakeTokenizer(EOS), draft=False, lookup=False)
+@pytest.mark.parametrize("gap", [False, True])
+def test_a_finished_row_is_told_once_before_any_row_moves_into_its_place(monkeypatch, gap):
+    """A (short) ends while another row runs or a long prompt is being prefilled after it, and
+    the move of a row into A's place raises: the prefilling row moving down (gap False: A is
+    the last running row), or the last running row moving into A's gap (gap True). A is told
+    its answer, exactly once (a row popped before the failing move waited for ever; one moved
+    over before it was popped was told Failed), the others their error."""
+    eng, lm = make_engine(3 if gap else 2, tokenizer=FakeTokenizer(EOS), draft=False, lookup=False)
     seen = _move_fails(monkeypatch, eng.target.cache, 1, 0)
+    a, others = Record(), [Record() for _ in range(2 if gap else 1)]
     with BatchGenerator(eng, FakeTokenizer(EOS)) as g:
-        hold_until_added(eng, 2, monkeypatch)
-        a = g.submit(PROMPTS[0], max_new_tokens=2, ignore_eos=True)
-        b = g.submit(list(range(1, 14)) * 4, max_new_tokens=4)       # 52 tokens: 7 chunks of 8
-        assert a.result(timeout=60).tokens == reference(lm, PROMPTS[0], 2, eos=None)[0]
-        with pytest.raises(SpecrtError, match="device lost"):
-            b.result(timeout=60)
+        hold_until_added(eng, 1 + len(others), monkeypatch)
+        n = 4 if gap else 2
+        g.submit(PROMPTS[0], max_new_tokens=n, ignore_eos=True, sink=a)
+        if gap:      # B (one prompt chunk) runs in row 1 when A (row 0) ends: B moves into row 0
+            g.submit([4, 4, 5], max_new_tokens=40, ignore_eos=True, sink=others[0])
+        g.submit(list(range(1, 14)) * 4, max_new_tokens=4, sink=others[-1])   # 52 tokens: 7 chunks of 8
+        end = a.end()
+        assert isinstance(end, Done), end
+        assert [t for e in a.events if isinstance(e, Delta) for t in e.tokens] == reference(lm, PROMPTS[0], n,
+                                                                                            eos=None)[0]
+        for r in others:
+            assert isinstance(r.end(), Failed) and "device lost" in str(r.end().error)
         assert seen == [(1, 0)]
+    assert [r.ends() for r in (a, *others)] == [1] * (1 + len(others))
