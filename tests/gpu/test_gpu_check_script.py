@@ -83,3 +83,12 @@ def test_the_generator_check_passes_identical_engines_and_reports_speed(tiny_pai
     status, detail = check.check_generator(engines, engines, {}, [5, 6, 7, 8, 9, 10] * 3, n=24)
     assert status == "PASS", detail
     assert detail.count("24/24 identical to fp32 CPU") == 3 and "decode tok/s plain" in detail
+
+
+def test_the_generator_check_compares_a_draft_models_speculation_with_plain(tiny_engines):
+    """proposer="speculative": what the script runs on its truncated-draft GPU build."""
+    check = _load_check()
+    status, detail = check.check_generator(tiny_engines, tiny_engines, {}, [5, 6, 7, 8, 9, 10] * 3, n=24,
+                                           proposer="speculative")
+    assert status == "PASS", detail
+    assert detail.count("24/24 identical to fp32 CPU") == 3 and "speculative" in detail and "draft" in detail
