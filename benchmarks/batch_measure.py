@@ -59,10 +59,17 @@ class Case:
             s = self.session(self.graph_for(B, T))
             ids, lens = np.zeros((B, T), np.int64), np.zeros(B, np.int64)
             vocab = s.get_outputs()[0].shape[-1]
-            logits = _shared(("logits", B, T, vocab), (B, T, vocab))
+            # graphs with logit_pos return only the positions asked for, as the engine asks: every
+            # position of a decode step or verify window, the last one of a prompt chunk
+            P = T if T <= 8 or not any(i.name == "logit_pos" for i in s.get_inputs()) else 1
+            logits = _shared(("logits", B, P, vocab), (B, P, vocab))
             b = s.io_binding()
             b.bind_cpu_input("input_ids", ids)
             b.bind_cpu_input("past_len", lens)
+            if any(i.name == "logit_pos" for i in s.get_inputs()):
+                pos = np.ascontiguousarray(np.broadcast_to(np.arange(T - P, T, dtype=np.int64), (B, P)))
+                self._hold = getattr(self, "_hold", []) + [pos]
+                b.bind_cpu_input("logit_pos", pos)
             b.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
             returned = []
             for i, c in enumerate(self.cache):
