@@ -37,6 +37,7 @@ class Case:
         self.graphs = {g: (e["file"], e["tokens"]) for g, e in meta["graphs"].items()}
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.bindings: dict[tuple, tuple] = {}
+        self.all_logits = False     # True: every position's logits (agreement, invariance), not the engine's pick
 
     def graph_for(self, B: int, T: int) -> str | None:
         if (self.batch is None and B != 1) or (isinstance(self.batch, int) and B != self.batch):
@@ -61,7 +62,7 @@ class Case:
             vocab = s.get_outputs()[0].shape[-1]
             # graphs with logit_pos return only the positions asked for, as the engine asks: every
             # position of a decode step or verify window, the last one of a prompt chunk
-            P = T if T <= 8 or not any(i.name == "logit_pos" for i in s.get_inputs()) else 1
+            P = T if T <= 8 or self.all_logits or not any(i.name == "logit_pos" for i in s.get_inputs()) else 1
             logits = _shared(("logits", B, P, vocab), (B, P, vocab))
             b = s.io_binding()
             b.bind_cpu_input("input_ids", ids)
@@ -222,6 +223,7 @@ def invariance(a) -> int:
     for name in names:
         cache = new_cache(a.root, name)
         case = Case(a.root, name, cache, so)
+        case.all_logits = True
         r = invariance_case(case, rows)
         results.append(r)
         for T, res in r["by_T"].items():
@@ -245,6 +247,8 @@ def _cross_case(a, so, rows) -> None:
         if not all((a.root / n).exists() for n in (legacy, batched)):
             continue
         cases = [Case(a.root, n, new_cache(a.root, n), so) for n in (legacy, batched)]
+        for c in cases:
+            c.all_logits = True
         lens = [len(ids) - max(WINDOWS) for ids in rows[:4]]
         for c in cases:
             prefill_rows(c, rows[:4], lens)

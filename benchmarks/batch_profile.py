@@ -104,6 +104,7 @@ def agreement(a) -> int:
     picks = {}
     for name in names:
         case = Case(a.root, name, new_cache(a.root, name), so)
+        case.all_logits = True
         got = []
         for r, ids in enumerate(rows):
             for start in range(0, len(ids), PREFILL):
