@@ -235,9 +235,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-context", type=int, help="the most tokens a generation holds, prompt included")
     b.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step (the prefill graph's T)")
     b.add_argument("--k", type=int, help="draft tokens per iteration (verify graph has k+1 tokens)")
-    b.add_argument("--precision", choices=("fp32", "int8", "int4"),
+    b.add_argument("--precision", choices=("fp32", "int8", "int4", "int8row"),
                    help="the target's weights: fp32 (default, the exact reference), int8 or int4 (ONNX Runtime "
-                        "MatMulNBits; a preset then writes to <preset out>-<precision>)")
+                        "MatMulNBits), int8row (int8 per channel, ONNX Runtime's int8 GEMM: VNNI/AMX where the CPU "
+                        "has them; docs/precision.md); a preset then writes to <preset out>-<precision>")
     b.add_argument("--block-size", type=int, help="int8/int4: weights per quantization block (default 32)")
     b.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
                    help="int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: 4 for both; docs/precision.md)")

@@ -33,7 +33,12 @@ PRECISIONS = {
     # asymmetric blocks: top-1 agreement with fp32 0.70 vs 0.69 symmetric (8 prompts, 264 positions)
     "int4": {"method": "matmulnbits", "bits": 4, "block_size": 32, "accuracy_level": 4, "lm_head": True,
              "symmetric": False},
+    # int8 weights per output channel (7-bit), one activation scale per row: ONNX Runtime's int8
+    # GEMM (MatMulIntegerToFloat), which takes the dot-product path (AVX-512 VNNI / AMX) where the
+    # CPU has one; accuracy_level 4 here means "int8 compute" (a two-row decode graph, as int4)
+    "int8row": {"method": "rowwise", "bits": 8, "block_size": 32, "accuracy_level": 4, "lm_head": True},
 }
+MATMULNBITS_OPTIONS = ("block_size", "accuracy_level", "batch_block_size")   # not for int8row
 
 
 BACKENDS = ("ort-cpu", "ort-cuda", "tensorrt", "auto")
@@ -59,7 +64,7 @@ class BackendSpec:
 
 BACKEND_SPECS = {
     "ort-cpu": BackendSpec(("gqa", "portable", "standard"), "int8", "fp32", False,
-                           ("int8", "int8-dynamic", "none", "truncate", "model"), ("fp32", "int8", "int4")),
+                           ("int8", "int8-dynamic", "none", "truncate", "model"), ("fp32", "int8", "int4", "int8row")),
     "ort-cuda": BackendSpec(("gqa",), GPU_DEFAULT_DRAFT, "fp16", True, ("none", "truncate", "model"), ("fp32",),
                             "ONNX Runtime CUDA runs fp16 GroupQueryAttention graphs whose total_sequence_length "
                             "is the constant buffer length (CUDA-graph capture needs it; a computed one gave wrong "
@@ -81,7 +86,7 @@ class BuildConfig:
     threads: int = 2
     attention: str | None = None   # None: the backend's. "gqa": ORT's fused GroupQueryAttention, in-place KV;
     #                                "portable": standard ONNX ops; "standard": opset-24 ops (TensorRT)
-    precision: str = "fp32"   # the target's weights: "fp32" (the exact reference), "int8" or "int4" (PRECISIONS)
+    precision: str = "fp32"   # the target's weights: "fp32" (the exact reference), "int8", "int4" or "int8row" (PRECISIONS)
     block_size: int | None = None        # int8/int4: weights per quantization block along K (default: PRECISIONS)
     accuracy_level: int | None = None    # int8/int4: MatMulNBits compute type, 1 = fp32, 4 = int8 (default: PRECISIONS)
     quantize_lm_head: bool | None = None  # int8/int4: quantize the LM head too (default: PRECISIONS)
@@ -144,6 +149,12 @@ class BuildConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1)):
                 raise SpecrtError(f"{name}={v!r} must be a power of two >= 16 (e.g. 32, 64, 128)")
+        if self.precision == "int8row":
+            given = [n for n in MATMULNBITS_OPTIONS if getattr(self, n) is not None]
+            if given:
+                raise ConfigError(f"{', '.join('--' + n.replace('_', '-') for n in given)}: MatMulNBits options; "
+                                  "--precision int8row has one scale per output channel and int8 compute: leave "
+                                  "them out (or use --precision int8 / int4)")
         if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
             raise SpecrtError(f"accuracy_level={self.accuracy_level!r}: MatMulNBits takes 0-4 "
                               "(1 = fp32 compute, 4 = int8 compute)")

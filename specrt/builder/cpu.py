@@ -220,8 +220,9 @@ def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir
     part["parity"] = {"fp32_export": fp32["parity"],
                       "agreement_with_fp32": identity.target_agreement(fp32_dir, fp32, out_dir, part, cfg.shapes,
                                                                        prompts)}
-    part["derived"] = {"derived": f"{cfg.precision} ({how['method']}, {how.get('bits')}-bit, block "
-                                  f"{how.get('block_size')}, {how.get('compute')} compute, LM head "
+    kind = (f"{how.get('bits')}-bit, block {how.get('block_size')}, {how.get('compute')} compute"
+            if spec.method == "matmulnbits" else f"{how['weight_range']} per channel, {how['activations']}")
+    part["derived"] = {"derived": f"{cfg.precision} ({how['method']}, {kind}, LM head "
                                   f"{'quantized' if how['lm_head_quantized'] else 'fp32'}) of the fp32 export",
                        "quantization": how}
     return part

@@ -155,8 +155,11 @@ def describe(man: mf.Manifest) -> str:
                          f"target {agree.get('top1_agreement', '?')}")
         q = m.source.get("quantization")
         if q:
-            lines.append(f"  quant    {q.get('method')}, {q.get('bits')}-bit, block {q.get('block_size')}, "
-                         f"{'symmetric' if q.get('symmetric') else 'asymmetric'}, {q.get('compute', '?')} compute"
+            how = (f"{q.get('weight_range')} per channel, activations {q.get('activations')}"
+                   if "weight_range" in q else
+                   f"{q.get('bits')}-bit, block {q.get('block_size')}, "
+                   f"{'symmetric' if q.get('symmetric') else 'asymmetric'}, {q.get('compute', '?')} compute")
+            lines.append(f"  quant    {q.get('method')}, {how}"
                          + (f", LM head {'quantized' if q.get('lm_head_quantized') else 'fp32'}"
                             if "lm_head_quantized" in q else "")
                          + (", calls padded to an even number of rows" if int(m.io.get("row_multiple", 1)) > 1 else ""))

@@ -1,5 +1,5 @@
-"""The target's precision as a build choice (int8 / int4 MatMulNBits), on tiny random
-models: greedy speculative output is token-for-token plain decoding *of the same
+"""The target's precision as a build choice (int8 / int4 MatMulNBits, int8row: int8 per
+channel through ONNX Runtime's int8 GEMM), on tiny random models: greedy speculative output is token-for-token plain decoding *of the same
 target*, the manifest says how the weights were made, and a build whose decode and
 verify graphs pick different tokens is refused with the fix named."""
 from __future__ import annotations
@@ -24,13 +24,22 @@ def int4_engines(tiny_int4_engines):
     return tiny_int4_engines
 
 
+@pytest.fixture(scope="module")
+def int8row_engines(tmp_path_factory, tiny_pair):
+    from conftest import build_tiny
+    return build_tiny(tmp_path_factory.mktemp("prec") / "int8row", tiny_pair[0], "int8", precision="int8row",
+                      batch=True)
+
+
 def _tokens(g, ids, n, method):
     return [e.token for e in g.tokens(ids, max_new_tokens=n, method=method)]
 
 
-@pytest.mark.parametrize("which", ["int8_engines", "int4_engines"])
+@pytest.mark.parametrize("which", ["int8_engines", "int4_engines", "int8row_engines"])
 def test_greedy_speculative_equals_plain_decoding_of_the_same_quantized_target(request, which):
-    g = SpeculativeGenerator(request.getfixturevalue(which))
+    # the one-row graphs (the int8row folder also has a batched model, which a batch of one would
+    # run, plainly here: these builds measure no step costs)
+    g = SpeculativeGenerator(request.getfixturevalue(which), engine="one-row")
     accepted = 0
     for prompt in PROMPTS:
         plain = _tokens(g, prompt, 40, "plain")
@@ -60,6 +69,35 @@ def test_manifest_records_precision_and_how_it_was_made(request, which, bits, bl
     assert man["build"]["config"]["precision"] == which.split("_")[0]
     assert set(t["graphs"]) == {"prefill", "decode", "verify"}
     assert man["models"]["draft"]["source"]["quantization"]["bits"] == 8
+
+
+def test_an_int8row_target_is_int8_per_channel_everywhere_with_a_two_row_decode_and_batch_invariant(
+        int8row_engines):
+    """--precision int8row: every target graph (and the batched step graph) runs ONNX Runtime's
+    int8 GEMM (MatMulIntegerToFloat), no MatMulNBits; plain decoding runs the verify pass's
+    kernels bit for bit (a two-row decode graph); the batched rows equal each row alone."""
+    import onnx
+    man = json.loads((int8row_engines / "manifest.json").read_text())
+    t, b = man["models"]["target"], man["models"]["batch"]
+    assert t["precision"] == "int8row" and t["source"]["quantization"]["method"].startswith("rowwise int8")
+    assert "per channel" in t["source"]["derived"]
+    for g in ("prefill", "decode", "verify"):
+        ops = {n.op_type for n in onnx.load(str(int8row_engines / t["graphs"][g]["file"]),
+                                            load_external_data=False).graph.node}
+        assert "MatMulIntegerToFloat" in ops and "MatMulNBits" not in ops, (g, ops)
+    assert t["graphs"]["decode"]["tokens"] == 2
+    ident = t["parity"]["identity"]
+    assert ident["bitwise_equal"] and ident["argmax_flips"] == 0
+    assert b["parity"]["batch_invariance"]["equal"]
+    assert 0 < t["parity"]["agreement_with_fp32"]["top1_agreement"] <= 1
+
+
+def test_int8row_refuses_the_matmulnbits_options():
+    from specrt.builder.config import BuildConfig
+    from specrt.errors import ConfigError
+    for kw in ({"block_size": 64}, {"accuracy_level": 1}, {"batch": True, "batch_block_size": 64}):
+        with pytest.raises(ConfigError, match="MatMulNBits options"):
+            BuildConfig(target="x", out="y", draft="none", precision="int8row", **kw)
 
 
 def test_int4_weights_are_smaller_than_int8_weights(int8_engines, int4_engines):
