@@ -65,10 +65,12 @@ GROUPS = {"MatMulNBits": "MatMulNBits", "MatMulIntegerToFloat": "int8 GEMM", "Dy
 
 
 def profile(a) -> int:
-    from specrt.profile import summarize
+    from specrt.tools.op_profile import summarize
     names = a.cases or ["int4-gqa", "int4-standard", "int4-portable"]
     # decode of 1 and 8 rows; verify windows of 8 rows where the variant runs them
     plan = [(n, B, T) for n in names for B, T in ((1, 1), (8, 1), (8, 5)) if not (n.endswith("-gqa") and T > 1)]
+    if a.tokens:      # one row of each of these T (a prompt chunk: --tokens 64)
+        plan = [(n, 1, T) for n in names for T in a.tokens]
     cache = None
     for name, B, T in plan:
         so = session_options(a.threads)
