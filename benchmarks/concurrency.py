@@ -96,6 +96,7 @@ SYSTEMS = {s.name: s for s in [
     # the same batched engines in process (open_batch in a worker, no server): as genai and OpenVINO run
     System("specrt-int8row", "specrt serve int8row (int8 per channel, ONNX Runtime's int8 GEMM)", "specrt-server",
            ROOT / "artifacts/smollm2-int8row"),
+    System("specrt-int8row-alt", "specrt serve int8row, alt args", "specrt-server", ROOT / "artifacts/smollm2-int8row"),
     System("specrt-int4-inproc", "specrt int4 batched, in process", "specrt-batch", ROOT / "artifacts/smollm2-int4"),
     System("specrt-int4b128-inproc", "specrt int4 batched block 128, in process", "specrt-batch",
            ROOT / "artifacts/smollm2-int4-b128"),

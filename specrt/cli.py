@@ -184,7 +184,7 @@ def cmd_serve(a) -> int:
         raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing): "
                           "pip install 'specrt[serve]'") from None
     return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, max_num_seqs=a.max_num_seqs,
-                             queue_size=a.queue_size,
+                             queue_size=a.queue_size, prefill_budget=a.prefill_budget,
                              timeout=a.timeout, memory=a.memory, threads=a.threads, model_name=a.model_name,
                              log_level="info" if a.verbose else "warning",
                              api_key=a.api_key if a.api_key is not None else os.environ.get("SPECRT_API_KEY"),
@@ -399,6 +399,10 @@ def make_parser() -> argparse.ArgumentParser:
                     help="rows of each copy: up to N requests decoding at once on one copy of the weights (engines "
                          "built with `specrt build --batch`; default 1)")
     sv.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a row (then 429)")
+    sv.add_argument("--prefill-budget", type=int, metavar="TOKENS",
+                    help="prompt tokens each engine step may prefill, chunk after chunk and request after request "
+                         "(default: one chunk a step): requests that arrive together start sooner, running ones "
+                         "wait longer for that step; answers do not change")
     sv.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queueing included")
     sv.add_argument("--memory", choices=("fast", "shared"), default="fast",
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")

@@ -111,15 +111,18 @@ def http_error(e: Exception) -> RequestError:
 class EnginePool:
     def __init__(self, engines: str | Path, *, copies: int = 1, max_num_seqs: int = 1, queue_size: int = 8,
                  threads: int = 2, memory: str = "fast", factory: Callable = open_batch,
-                 on_generation: Callable[[int, int, int, int], None] | None = None):
-        """factory(engines, max_num_seqs=, threads=, memory=) -> a BatchGenerator (one copy).
-        on_generation(prompt tokens, tokens, drafted, accepted): once per finished sample."""
+                 on_generation: Callable[[int, int, int, int], None] | None = None,
+                 prefill_budget: int | None = None):
+        """factory(engines, max_num_seqs=, threads=, memory=[, prefill_budget=]) -> a BatchGenerator
+        (one copy; prefill_budget is passed only when set). on_generation(prompt tokens, tokens,
+        drafted, accepted): once per finished sample."""
         if copies < 1 or max_num_seqs < 1 or queue_size < 0:
             raise SpecrtError(f"copies={copies}, max_num_seqs={max_num_seqs}, queue_size={queue_size}: need copies "
                               ">= 1, max_num_seqs >= 1 and queue_size >= 0")
         self.engines, self.copies, self.max_num_seqs = Path(engines), copies, max_num_seqs
         self.queue_size, self.threads, self.memory = queue_size, threads, memory
         self.factory, self.on_generation = factory, on_generation
+        self.extra = {"prefill_budget": prefill_budget} if prefill_budget is not None else {}
         self.info: list[EngineInfo] = []
         self.gens: list = []
         self._pending: collections.deque[Job] = collections.deque()
@@ -134,7 +137,7 @@ class EnginePool:
         for i in range(self.copies):
             before = rss_mib()
             gen = self.factory(self.engines, max_num_seqs=self.max_num_seqs, threads=self.threads,
-                               memory=self.memory)
+                               memory=self.memory, **self.extra)
             self.info.append(EngineInfo(i, self.max_num_seqs, self.memory, round(rss_mib() - before, 1)))
             self.gens.append(gen)
             gen.feed = lambda i=i: self._feed(i)

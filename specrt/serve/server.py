@@ -35,6 +35,7 @@ class ServeConfig:
     # built with --batch); None: 1
     max_num_seqs: int | None = None
     queue_size: int = 8             # requests that may wait for a worker before 429
+    prefill_budget: int | None = None   # prompt tokens an engine step may prefill (None: one chunk)
     timeout: float = 300.0          # seconds from arrival to the last token
     memory: str = "fast"            # "fast" | "shared", passed to every worker's generator
     threads: int = 2                # ORT intra-op threads (one pool for the process)
@@ -55,6 +56,8 @@ class ServeConfig:
         if self.max_num_seqs is not None:
             if not 1 <= self.max_num_seqs <= 256:
                 raise ServeConfigError(f"--max-num-seqs {self.max_num_seqs}: give a number of rows in [1, 256]")
+        if self.prefill_budget is not None and not (isinstance(self.prefill_budget, int) and self.prefill_budget >= 1):
+            raise ServeConfigError(f"--prefill-budget {self.prefill_budget}: give a positive number of prompt tokens")
         if self.queue_size < 0:
             raise ServeConfigError(f"--queue-size {self.queue_size}: give 0 (no waiting) or more")
         if not self.timeout > 0:
@@ -91,7 +94,7 @@ def build_app(cfg: ServeConfig, factory: Callable | None = None):
                                "build ... --batch`, or serve it with --workers N (one request per engine copy)")
     pool = EnginePool(cfg.engines, copies=cfg.workers, max_num_seqs=rows, queue_size=cfg.queue_size,
                       threads=cfg.threads, memory=cfg.memory, factory=factory or open_batch,
-                      on_generation=metrics.record_generation)
+                      on_generation=metrics.record_generation, prefill_budget=cfg.prefill_budget)
     metrics.watch_batch(lambda: pool.stats)
     tok = Tokenizer(Path(cfg.engines), man.tokenizer)
     # structured outputs and logprobs run on the engine whatever the folder's model (runtime/batch/engine.py)

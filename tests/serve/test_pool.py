@@ -182,3 +182,24 @@ def test_close_fails_the_waiting_jobs_with_a_503_and_closes_every_copy():
     assert isinstance(ev.error, ServerShuttingDownError) and all(c.closed and c.feed is None for c in copies)
     with pytest.raises(ServerShuttingDownError):
         pool.submit(_job())
+
+
+def test_a_prefill_budget_reaches_every_copy_and_a_bad_one_is_refused_at_start():
+    """--prefill-budget: each copy's factory gets it (only when set: factories that predate it
+    keep working); ServeConfig refuses a budget that is not a positive number of tokens."""
+    from specrt.serve.errors import ServeConfigError
+    from specrt.serve.server import ServeConfig
+    got = []
+
+    def factory(engines, *, max_num_seqs, threads, memory, **extra):
+        got.append(extra)
+        return _Copy(max_num_seqs)
+    for budget, want in ((None, {}), (256, {"prefill_budget": 256})):
+        got.clear()
+        pool = EnginePool("unused", copies=2, max_num_seqs=2, factory=factory, prefill_budget=budget)
+        pool.start()
+        assert got == [want, want]
+        pool.close(timeout=5)
+    for bad in (0, -5, 1.5):
+        with pytest.raises(ServeConfigError, match="--prefill-budget"):
+            ServeConfig("x", max_num_seqs=4, prefill_budget=bad)

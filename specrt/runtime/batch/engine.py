@@ -10,7 +10,9 @@ Each call to `step()`:
        length, and emits the target's choices (runtime/choice.py), so its tokens do not depend on
        what else is in the batch
     4. one prefill chunk of the admitted request (so a running stream waits for at most
-       one chunk per step); after its last chunk it gets its first token and runs
+       one chunk per step); after its last chunk it gets its first token and runs. With a
+       prefill_budget, chunks (of this request, then of the next ones admitted in turn) go on
+       until the step has prefilled that many prompt tokens
     5. rows that finished (EOS, a stop string, max_new_tokens, the maximum context) leave;
        the last running row moves into the gap so rows stay contiguous (model.py)
 
@@ -66,17 +68,27 @@ class EngineStats:
 class BatchEngine:
     def __init__(self, target: BatchModel, *, max_num_seqs: int, max_context: int, prefill_tokens: int,
                  k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
-                 draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1):
+                 draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1,
+                 prefill_budget: int | None = None):
         """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
-        (manifest parity window_invariance, builder/gates/batch.py)."""
+        (manifest parity window_invariance, builder/gates/batch.py).
+        prefill_budget: prompt tokens a step may prefill (None: one chunk a step, however short);
+        each chunk is still its own call of one row; with a larger budget a step goes on with the
+        same prompt's next chunk, or admits and prefills the next waiting request, until the
+        budget is spent, so requests that arrive together join in fewer steps (running rows
+        wait longer for that step). A row's tokens do not depend on it."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
         self.target, self.draft, self.policy = target, draft, policy
         self.max_num_seqs, self.max_context, self.k_max, self.vocab = max_num_seqs, max_context, k_max, vocab
         self.prefill_tokens = prefill_tokens
+        if prefill_budget is not None and (not isinstance(prefill_budget, int) or isinstance(prefill_budget, bool)
+                                           or prefill_budget < 1):
+            raise ValueError(f"prefill_budget={prefill_budget!r} must be a positive number of tokens")
+        self.prefill_budget = prefill_budget
         self.tokenizer, self.clock, self.min_tokens = tokenizer, clock, min_tokens
         self.eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset(eos)
         self.rows: list[Row] = []           # running, in cache rows 0..n-1
@@ -134,9 +146,16 @@ class BatchEngine:
         if self.rows:
             self._round()
             did = True
-        if self.pending is not None:
-            self._prefill_chunk()
+        if self.pending is not None and self.pending.finish is not None:
+            did = True                     # cancelled before its prefill: it leaves in _evict below
+        spent = 0
+        while self.pending is not None and self.pending.finish is None:
+            spent += self._prefill_chunk()
             did = True
+            if self.prefill_budget is None or spent >= self.prefill_budget:
+                break
+            if self.pending is None:       # it joined the rows: the next waiting request, if a row is free
+                self._admit()
         self._evict()
         return did
 
@@ -221,10 +240,9 @@ class BatchEngine:
         """A draft model with its own cache (it prefills prompts and keeps each row's draft_len)."""
         return self.draft is not None and not self.draft.shares_cache and self.policy.has_draft
 
-    def _prefill_chunk(self) -> None:
+    def _prefill_chunk(self) -> int:
+        """One chunk of the pending row's prompt; returns its tokens."""
         row, slot = self.pending, len(self.rows)
-        if row.finish is not None:         # cancelled while waiting for its prefill
-            return
         prompt, T = row.req.prompt, self.prefill_tokens
         chunk = prompt[row.length:row.length + T]
         if not self.target.graph_tokens.get("prefill", 0):
@@ -251,7 +269,7 @@ class BatchEngine:
         row.length += len(chunk)
         self.stats.prefill_chunks += 1
         if not row.prefilled:
-            return
+            return len(chunk)
         self.pending = None
         self.rows.append(row)
         last = logits[0, len(chunk) - 1 - lo][None]
@@ -260,6 +278,7 @@ class BatchEngine:
         self._first_token(row, last)
         while self._unforked:
             self._fork(row, slot, last)
+        return len(chunk)
 
     def _fork(self, row: Row, slot: int, last: np.ndarray) -> None:
         """The next sample in `_unforked` of row's prompt, just prefilled in cache row `slot`: the

@@ -312,11 +312,12 @@ class BatchGenerator:
 
 def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: int | None = None,
                verify: str = "full", buckets: Sequence[int] | None = None, execution: str = "cpu",
-               speculate: bool = True, memory: str = "fast") -> BatchGenerator:
+               speculate: bool = True, memory: str = "fast", prefill_budget: int | None = None) -> BatchGenerator:
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
     `max_num_seqs` requests at once; each step runs every running row one round and
-    prefills one chunk of the next request. A folder without a batched model (no `--batch`, the
+    prefills one chunk of the next request (prefill_budget: up to that many prompt tokens a
+    step, chunk after chunk and request after request; BatchEngine's docstring). A folder without a batched model (no `--batch`, the
     GPU builds) opens with max_num_seqs=1: its one-row graphs on the same engine, one request at
     a time (batch/one_row.py), the tokens SpeculativeGenerator gives; memory="shared" (one
     memory-mapped copy of the weights for its prefill and one-token graphs, runtime/backends/
@@ -337,7 +338,15 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     A GPU (it needs fp16 batched graphs `specrt build --batch` does not make yet)."""
     engine, tok = batch_engine(engines, max_num_seqs=max_num_seqs, threads=threads, verify=verify, buckets=buckets,
                                execution=execution, speculate=speculate, memory=memory)
+    if prefill_budget is not None:
+        engine.prefill_budget = _budget(prefill_budget)
     return BatchGenerator(engine, tok, max_queue=max_queue)
+
+
+def _budget(tokens) -> int:
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ConfigError(f"prefill_budget={tokens!r} must be a positive number of prompt tokens per step")
+    return tokens
 
 
 def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: str = "full",

@@ -222,6 +222,40 @@ def test_a_long_prompt_is_prefilled_one_chunk_per_step_while_the_others_decode()
     assert (long.tokens, long.done.finish_reason) == reference(lm, long_prompt, 5)
 
 
+@pytest.mark.parametrize("speculate", ["none", "draft"])
+def test_a_prefill_budget_admits_several_prompts_a_step_and_changes_no_answer(speculate):
+    """prefill_budget=12 with chunks of 4: one step prefills up to 12 prompt tokens, chunk after
+    chunk and request after request (each chunk its own one-row call); four requests arriving
+    together all run after the first step (one with None), a long prompt takes its 7
+    chunks in 3 steps, and every answer is the request alone (None: one chunk a step)."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2, 2, 3]]
+    for budget, joined in ((None, 1), (12, 4)):
+        eng, lm = make_engine(4, costs=COSTS if speculate == "draft" else None, prefill=4,
+                              draft=speculate == "draft", lookup=False)
+        eng.prefill_budget = budget
+        outs = [submit(eng, p, 10) for p in prompts]
+        eng.step()
+        assert len(eng.rows) == joined, (budget, len(eng.rows))     # after the first step
+        assert all(n == 1 for g, n, T, _ in lm.calls if g == "prefill")          # one row a prefill call
+        drain(eng)
+        for p, c in zip(prompts, outs):
+            assert (c.tokens, c.done.finish_reason) == reference(lm, p, 10), (budget, p)
+    eng, lm = make_engine(2, costs=None, prefill=4)
+    eng.prefill_budget = 12
+    long_prompt = list(range(1, 15)) * 2             # 28 tokens: 7 chunks of 4, 3 a step
+    long = submit(eng, long_prompt, 5)
+    steps = 0
+    while eng.pending is not None or not eng.rows:
+        eng.step()
+        steps += 1
+    assert steps == 3 and lm.calls.count(("prefill", 1, 4, 0)) == 7
+    drain(eng)
+    assert (long.tokens, long.done.finish_reason) == reference(lm, long_prompt, 5)
+    with pytest.raises(ValueError, match="prefill_budget"):
+        BatchEngine(lm, max_num_seqs=2, max_context=80, prefill_tokens=4, k_max=K, vocab=V,
+                    policy=BatchPolicy(None, K), prefill_budget=0)
+
+
 def test_a_row_that_leaves_is_replaced_by_the_last_one_and_both_stay_correct():
     eng, lm = make_engine(3, costs=None)
     cs = [submit(eng, p, n) for p, n in zip(PROMPTS[:3], (4, 25, 25))]   # the first leaves early
