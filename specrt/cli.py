@@ -400,9 +400,10 @@ def make_parser() -> argparse.ArgumentParser:
                          "built with `specrt build --batch`; default 1)")
     sv.add_argument("--queue-size", type=int, default=8, help="requests that may wait for a row (then 429)")
     sv.add_argument("--prefill-budget", type=int, metavar="TOKENS",
-                    help="prompt tokens each engine step may prefill, chunk after chunk and request after request "
-                         "(default: one chunk a step): requests that arrive together start sooner, running ones "
-                         "wait longer for that step; answers do not change")
+                    help="an engine step goes on prefilling, chunk after chunk and request after request, until "
+                         "it has fed this many prompt tokens (it may pass it by less than a chunk; default: one "
+                         "chunk a step): requests that arrive together start sooner, running ones wait longer "
+                         "for that step; answers do not change")
     sv.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queueing included")
     sv.add_argument("--memory", choices=("fast", "shared"), default="fast",
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")

@@ -178,6 +178,9 @@ class BuildConfig:
         if self.batch_block_size is not None and self.precision == "fp32":
             raise ConfigError(f"--batch-block-size {self.batch_block_size} quantizes the batched model: give "
                               "--precision int4 or int8 (an fp32 target has no quantization block)")
+        if self.precision == "int8row" and self.batch_prefill == "rowwise":
+            raise ConfigError("--batch-prefill rowwise with --precision int8row: the step graph is already row-wise "
+                              "int8, a second prefill graph would only cost memory: leave --batch-prefill out")
         if self.batch_prefill not in ("auto", "same") and not self.batch:
             raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":
@@ -210,8 +213,8 @@ class BuildConfig:
                 "plain decoding, or prompt lookup at run time)")
         if self.precision not in spec.precisions:
             raise ConfigError(
-                f"--precision {self.precision} with --backend {b}: int8/int4 targets are ONNX Runtime CPU "
-                f"MatMulNBits graphs; the {b} build exports fp16 graphs from an fp32 target (leave --precision "
+                f"--precision {self.precision} with --backend {b}: int8/int4/int8row targets are ONNX Runtime CPU "
+                f"integer graphs (MatMulNBits, MatMulIntegerToFloat); the {b} build exports fp16 graphs from an fp32 target (leave --precision "
                 "at fp32). INT8 TensorRT engines come from the symmetric Q/DQ graphs of `specrt qdq` (run on an "
                 "fp32 `--attention standard` build), built into engines by specrt.engines.trt_build.build_engines")
 

@@ -244,6 +244,9 @@ def _check_identity(cfg: BuildConfig, model_dir: Path, part: dict, prompts) -> d
         if q is None:   # fp32: T=1 and T=k+1 kernels differ by float rounding (~1e-4), here at a near-tie
             fix = ("the fp32 graphs round a near-tie differently; rebuild with another --k or --precision int8 "
                    "(plain decoding then runs the verify pass's kernels and agrees bit for bit)")
+        elif q.get("method") == "rowwise":
+            fix = ("rebuild with another --k, or --precision int8 / int4 / fp32 (int8row's rows are quantized "
+                   "one by one, so this is a near-tie the verify and decode kernels round apart)")
         elif q.get("accuracy_level") != 4:
             fix = ("rebuild with --accuracy-level 4 (int8 compute; plain decoding then runs the verify pass's "
                    "multi-row kernels and agrees bit for bit) or --precision fp32")

@@ -56,7 +56,9 @@ class ServeConfig:
         if self.max_num_seqs is not None:
             if not 1 <= self.max_num_seqs <= 256:
                 raise ServeConfigError(f"--max-num-seqs {self.max_num_seqs}: give a number of rows in [1, 256]")
-        if self.prefill_budget is not None and not (isinstance(self.prefill_budget, int) and self.prefill_budget >= 1):
+        if self.prefill_budget is not None and not (isinstance(self.prefill_budget, int)
+                                                    and not isinstance(self.prefill_budget, bool)
+                                                    and self.prefill_budget >= 1):
             raise ServeConfigError(f"--prefill-budget {self.prefill_budget}: give a positive number of prompt tokens")
         if self.queue_size < 0:
             raise ServeConfigError(f"--queue-size {self.queue_size}: give 0 (no waiting) or more")

@@ -293,12 +293,12 @@ def _summary(variants, folders, sampling, max_new_tokens, prompts, rounds, hf_re
         out(f"\n{'engines':<{w}} {'prec':<5} {'plain':>7} {'spec':>7} {'spec/':>6} {'plain':>6} {'spec':>6} "
             f"{'pred':>6} {'accept':>7} {'len':>5} {'t1':>6} {'tk+1':>6} {'tdraft':>6} {'top1':>5} "
             f"{'=1st':>5} identical")
-        out(f"{'':<{w}} {'':<5} {'tok/s':>7} {'tok/s':>7} {'plain':>6} {'x1st':>6} {'x1st':>6} "
+        out(f"{'':<{w}} {'':<7} {'tok/s':>7} {'tok/s':>7} {'plain':>6} {'x1st':>6} {'x1st':>6} "
             f"{'spec/pl':>6} {'':>7} {'':>5} {'ms':>6} {'ms':>6} {'ms':>6} {'fp32':>5} {'plain':>5}")
         for r in reports:
             p = r["prediction"]
             top1 = "-" if r["top1_agreement_with_fp32"] is None else f"{r['top1_agreement_with_fp32']:.2f}"
-            out(f"{r['engines']:<{w}} {r['precision']:<5} {r['plain_tok_s']:>7.1f} {r['spec_tok_s']:>7.1f} "
+            out(f"{r['engines']:<{w}} {r['precision']:<7} {r['plain_tok_s']:>7.1f} {r['spec_tok_s']:>7.1f} "
                 f"{r['speedup']:>6.2f} {r['plain_tok_s'] / base:>6.2f} {r['spec_tok_s'] / base:>6.2f} "
                 f"{p['predicted_speedup']:>6.2f} {r['acceptance_rate']:>7.1%} {r['mean_acceptance_length']:>5.2f} "
                 f"{p['t_target_1_ms']:>6.1f} {p['t_target_k1_ms']:>6.1f} {p['t_draft_1_ms']:>6.1f} {top1:>5} "

@@ -98,6 +98,10 @@ def test_int8row_refuses_the_matmulnbits_options():
     for kw in ({"block_size": 64}, {"accuracy_level": 1}, {"batch": True, "batch_block_size": 64}):
         with pytest.raises(ConfigError, match="MatMulNBits options"):
             BuildConfig(target="x", out="y", draft="none", precision="int8row", **kw)
+    with pytest.raises(ConfigError, match="already row-wise"):
+        BuildConfig(target="x", out="y", draft="none", precision="int8row", batch=True, batch_prefill="rowwise")
+    cfg = BuildConfig(target="x", out="y", draft="none", precision="int8row", batch=True)
+    assert cfg.batch_prefill_graph == "same"
 
 
 def test_int4_weights_are_smaller_than_int8_weights(int8_engines, int4_engines):

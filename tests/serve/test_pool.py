@@ -200,6 +200,6 @@ def test_a_prefill_budget_reaches_every_copy_and_a_bad_one_is_refused_at_start()
         pool.start()
         assert got == [want, want]
         pool.close(timeout=5)
-    for bad in (0, -5, 1.5):
+    for bad in (0, -5, 1.5, True):
         with pytest.raises(ServeConfigError, match="--prefill-budget"):
             ServeConfig("x", max_num_seqs=4, prefill_budget=bad)

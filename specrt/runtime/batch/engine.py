@@ -150,6 +150,8 @@ class BatchEngine:
             did = True                     # cancelled before its prefill: it leaves in _evict below
         spent = 0
         while self.pending is not None and self.pending.finish is None:
+            if spent and self.pending.req.cancelled.is_set():
+                break                      # cancelled since the step began: the next step drops it
             spent += self._prefill_chunk()
             did = True
             if self.prefill_budget is None or spent >= self.prefill_budget:
