@@ -14,6 +14,9 @@ and one seeded sample, the folder answers through
   and, where the folder has a batched model (manifest `batch`), for each row count R:
     open_batch R: alone / generate_batch / threads
     server: --max-num-seqs R      triton: max_num_seqs R
+  and, at the largest R, every prompt at once on an engine that prefills up to 1024 prompt
+  tokens a step (`--prefill-budget`: several requests join in one step):
+    open_batch R, prefill budget 1024: generate_batch
 
 Tokens are compared where a mode returns them; the server and the Triton model return text
 only, so their text is compared to the reference's text. Every mode stops at EOS, as it does
@@ -147,6 +150,20 @@ def _batched(rows: int):
                     [_completion(f.result()) for f in [pool.submit(gen.generate, list(c.ids), max_new_tokens=n,
                                                                    sampling=s) for c in cases]]
                     for s in job.settings]
+        finally:
+            gen.close()
+    return run
+
+
+def _budgeted(rows: int, budget: int = 1024):
+    def run(cases: list[Case], job: Job):
+        from specrt.runtime.batch.generator import open_batch
+        gen = open_batch(job.engines, max_num_seqs=rows, threads=job.threads, prefill_budget=budget)
+        try:
+            yield f"open_batch {rows}, prefill budget {budget}: generate_batch", [
+                [_completion(c) for c in gen.generate_batch([list(c.ids) for c in cases],
+                                                            max_new_tokens=job.max_new_tokens, sampling=s)]
+                for s in job.settings]
         finally:
             gen.close()
     return run
@@ -328,6 +345,8 @@ def plan(engines: str | Path, rows: Sequence[int] = (1, 8), api_threads: int = 2
         out += [Family(tuple(f"open_batch {r}: {k}" for k in ("alone", "generate_batch", "threads")), _batched(r)),
                 Family((f"server: --max-num-seqs {r}",), _server(r)),
                 Family((f"triton: max_num_seqs {r}",), _triton(r))]
+    top = max(rows)
+    out.append(Family((f"open_batch {top}, prefill budget 1024: generate_batch",), _budgeted(top)))
     return out
 
 

@@ -26,7 +26,8 @@ def test_every_mode_gives_the_greedy_tokens_of_plain_decoding(report):
     assert names == [REFERENCE, "generate: default", "specrt generate", "api: 2 threads", "server: one-request",
                      "triton: one-request"] + [name for r in ROWS for name in (
                          f"open_batch {r}: alone", f"open_batch {r}: generate_batch", f"open_batch {r}: threads",
-                         f"server: --max-num-seqs {r}", f"triton: max_num_seqs {r}")]
+                         f"server: --max-num-seqs {r}", f"triton: max_num_seqs {r}")] + [
+                     f"open_batch {max(ROWS)}, prefill budget 1024: generate_batch"]
     assert report["prompts"] == len(PROMPTS) and report["skipped_prompts"] == 0
     assert any(len(t) > 1 for t in report["reference_tokens"]["greedy"])     # not all ended at once by EOS
     assert {m["mode"]: m["greedy_equal"] for m in report["modes"]} == {name: len(PROMPTS) for name in names}
