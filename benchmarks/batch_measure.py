@@ -37,6 +37,7 @@ class Case:
         self.graphs = {g: (e["file"], e["tokens"]) for g, e in meta["graphs"].items()}
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.bindings: dict[tuple, tuple] = {}
+        self._hold: list[np.ndarray] = []   # logit_pos arrays bound by pointer: kept alive here
         self.all_logits = False     # True: every position's logits (agreement, invariance), not the engine's pick
 
     def graph_for(self, B: int, T: int) -> str | None:
@@ -69,7 +70,7 @@ class Case:
             b.bind_cpu_input("past_len", lens)
             if any(i.name == "logit_pos" for i in s.get_inputs()):
                 pos = np.ascontiguousarray(np.broadcast_to(np.arange(T - P, T, dtype=np.int64), (B, P)))
-                self._hold = getattr(self, "_hold", []) + [pos]
+                self._hold.append(pos)
                 b.bind_cpu_input("logit_pos", pos)
             b.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
             returned = []

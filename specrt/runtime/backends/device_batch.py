@@ -39,7 +39,6 @@ import numpy as np
 from specrt.errors import BackendError, ConfigError, ManifestError
 from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, Step
-from specrt.runtime.backends.gpu_errors import INSTALL_CUDA, CudaUnavailableError
 from specrt.runtime.backends.lifecycle import GraphLifecycle
 from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, check_multi_token_rows
 from specrt.runtime.backends.ort_cpu import DTYPES, check_weights_file, io_dtypes, session_options
@@ -147,7 +146,7 @@ class DeviceBatchModel:
                  execution: str = "cuda", warmup: int = WARMUP_RUNS, cuda_graphs: bool = True, threads: int = 2,
                  device_id: int = 0, ort=None):
         from specrt.runtime.backends.ort_cuda import _check_static_total, _import_ort, _providers, \
-            _require_cuda_provider
+            _require_cuda_provider, check_on_cuda
         from specrt.runtime.backends.ort_device import OrtCudaDevice, OrtDevice
         if execution not in EXECUTIONS:
             raise ConfigError(f"execution={execution!r}; choose one of {EXECUTIONS}")
@@ -174,9 +173,8 @@ class DeviceBatchModel:
                 raise ManifestError(f"the {entry.role} KV cache is {self.dtypes['kv']}; ONNX Runtime's CUDA "
                                     "GroupQueryAttention runs fp16 only: device buckets need fp16 batched graphs, which "
                                     "no build makes yet (`specrt build --batch` is CPU-only)")
-        if capture or execution == "cuda":   # before any device memory: see ort_cuda._check_static_total
+            # before any device memory; with or without capture: see ort_cuda._check_static_total
             _check_static_total(path, shapes.kv_capacity, batched=True)
-        if execution == "cuda":
             self.device, self.ort_device = OrtCudaDevice(ort, device_id), "cuda"
         else:
             self.device, self.ort_device = OrtDevice(ort, "cpu"), "cpu"
@@ -193,10 +191,8 @@ class DeviceBatchModel:
         except Exception as e:
             raise BackendError(f"ONNX Runtime {ort.__version__} could not load {path} on {execution} "
                                f"({type(e).__name__}: {str(e).strip()[:500]})") from e
-        if execution == "cuda" and self.session.get_providers()[0] != "CUDAExecutionProvider":
-            raise CudaUnavailableError(f"ONNX Runtime fell back to {self.session.get_providers()[0]} for {path} (the "
-                                       f"CUDA provider failed to start: CUDA 13 / cuDNN 9 libraries missing?): "
-                                       f"{INSTALL_CUDA}")
+        if execution == "cuda":
+            check_on_cuda(self.session, path)
         self.has_positions = any(i.name == LOGIT_POS for i in self.session.get_inputs())
         if any(i.name == KV_POS for i in self.session.get_inputs()):
             raise ManifestError(f"the {entry.role} graph was built with --batch-attention rows, whose calls read a "

@@ -186,9 +186,8 @@ class OrtCudaModel(DeviceRunner):
                 f"{str(e).strip()[:500]}): if it says not all nodes are on the CUDA provider, the graph has ops "
                 "CUDA graphs cannot capture; rebuild with `specrt build --backend ort-cuda`, or pass "
                 "cuda_graphs=False") from e
-        if self.execution == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
-            raise CudaUnavailableError(f"ONNX Runtime fell back to {session.get_providers()[0]} for {path} (the CUDA "
-                                       f"provider failed to start: CUDA 13 / cuDNN 9 libraries missing?): {INSTALL_CUDA}")
+        if self.execution == "cuda":
+            check_on_cuda(session, path)
         return session
 
     # --- ModelRunner ------------------------------------------------------------------------
@@ -235,6 +234,13 @@ def _providers(capture: bool, device_id: int) -> list:
     """GPU-ONLY; ran on an H100 once (2026-12-05, tiny model, docs/gpu.md). CUDA provider options: CUDA graphs only for the
     graphs that are captured (decode, verify); prefill sessions never capture."""
     return [("CUDAExecutionProvider", {"device_id": str(device_id), "enable_cuda_graph": "1" if capture else "0"})]
+
+
+def check_on_cuda(session, path: Path) -> None:
+    """ONNX Runtime falls back to the CPU when its CUDA provider fails to start: refuse that."""
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        raise CudaUnavailableError(f"ONNX Runtime fell back to {session.get_providers()[0]} for {path} (the CUDA "
+                                   f"provider failed to start: CUDA 13 / cuDNN 9 libraries missing?): {INSTALL_CUDA}")
 
 
 def _check_static_total(path: Path, capacity: int, batched: bool = False) -> None:
