@@ -128,6 +128,10 @@ class BuildConfig:
     # kernel rounds the odd last row of a call apart from the others, so the runtime pads every
     # batched call to an even number of rows (manifest io row_multiple, runtime/backends/ort_batch.py)
     batch_block_size: int | None = None
+    # with --batch: the batched model's graphs also return these decoder layers' outputs
+    # (`hidden_states`, every position), which a trained draft head reads (`specrt train-draft`,
+    # docs/speculation.md#trained-heads); () keeps the graphs as they are
+    hidden_layers: tuple = ()
 
     def __post_init__(self):
         for name in ("max_context", "prefill_chunk", "k", "threads"):
@@ -181,6 +185,13 @@ class BuildConfig:
         if self.precision == "int8row" and self.batch_prefill == "rowwise":
             raise ConfigError("--batch-prefill rowwise with --precision int8row: the step graph is already row-wise "
                               "int8, a second prefill graph would only cost memory: leave --batch-prefill out")
+        if self.hidden_layers and not self.batch:
+            raise ConfigError(f"--hidden-layers {','.join(map(str, self.hidden_layers))}: the batched model returns "
+                              "them (the engine every request runs on): add --batch")
+        if self.hidden_layers and (any(not isinstance(i, int) or isinstance(i, bool) or i < 0
+                                       for i in self.hidden_layers)
+                                   or list(self.hidden_layers) != sorted(set(self.hidden_layers))):
+            raise ConfigError(f"hidden_layers={self.hidden_layers!r}: give increasing layer indices, e.g. 2,15,27")
         if self.batch_prefill not in ("auto", "same") and not self.batch:
             raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":

@@ -9,6 +9,7 @@ T static or the symbolic dim "tokens"):
              past_k_{i} [B, KVH, M, D]    M = kv capacity; row b is sequence b's cache
              past_v_{i} [B, KVH, M, D]
     outputs  logits     [B, P, V]  float32    logits[b, p] = the logits at position logit_pos[b, p]
+             hidden_states [B, T, n*C] float32       with hidden_layers: those layers' outputs, every position
              present_k_{i}/present_v_{i} [B, KVH, M, D]   "gqa", "standard": the cache, in place
              new_k_{i}/new_v_{i}         [B, KVH, T, D]   "portable": returned, the caller writes them
 
@@ -111,20 +112,22 @@ class BatchedDecoder(StaticDecoder):
             causal = self.cache_pos[None, None, :] <= pos[:, :, None]                     # [B, T, M]
             attend = {w: (causal if w is None else causal & (self.cache_pos[None, None, :] > (pos - w)[:, :, None]))
                       .unsqueeze(1) for w in {layer.window for layer in self.layers}}    # [B, 1, T, M] bool
-            present = []
+            present, taps = [], []
             for i, layer in enumerate(self.layers):
                 x, k, v = layer.forward_standard(x, past[2 * i], past[2 * i + 1], past_len, attend[layer.window],
                                                  ropes[layer.rotary])
                 present += [k, v]
-            return (self._head(x), *present)
+                self._tap(i, x, taps)
+            return self._outputs(x, present, taps)
         valid = (self.cache_pos[None, :] < past_len[:, None]).reshape(B, 1, 1, self.M)   # [B, 1, 1, M]
         steps = torch.arange(T)
         causal = (steps[None, :] <= steps[:, None]).repeat(self.dims.group, 1)   # [G*T, T]: query group-major
-        new_kv = []
+        new_kv, taps = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, past[2 * i], past[2 * i + 1], valid, causal, ropes[layer.rotary])
             new_kv += [k, v]
-        return (self._head(x), *new_kv)
+            self._tap(i, x, taps)
+        return self._outputs(x, new_kv, taps)
 
     def _rows_masked(self, x, past_len, pos, kv_pos, past, ropes):
         # kv_pos [L]: the cache positions this call reads (0..L-1, L >= every row's length + T);
@@ -145,12 +148,13 @@ class BatchedDecoder(StaticDecoder):
             tables["global"] = (self.cos_cache, self.sin_cache, ropes["global"])
             if hasattr(self, "cos_cache_local"):
                 tables["local"] = (self.cos_cache_local, self.sin_cache_local, ropes["local"])
-        present = []
+        present, taps = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer.forward_rows(x, past[2 * i], past[2 * i + 1], past_len, pos, L, attend[layer.window],
                                          tables[layer.rotary])
             present += [k, v]
-        return (self._head(x), *present)
+            self._tap(i, x, taps)
+        return self._outputs(x, present, taps)
 
     def _head(self, x):
         # [B, T, C] -> the final norm over all T -> the P rows of logit_pos -> logits [B, P, V]

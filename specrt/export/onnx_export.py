@@ -50,10 +50,8 @@ def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: i
     if batch is None:
         return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, hidden_layers=hidden_layers,
                              **kw).eval()
-    if hidden_layers:
-        raise ExportError("hidden_layers: the batched graph does not return hidden states yet; export the "
-                          "one-row graphs (batch=None)")
-    return BatchedDecoder(lm.spec, dims, lm.model.state_dict(), batch=batch, tokens=tokens, **kw).eval()
+    return BatchedDecoder(lm.spec, dims, lm.model.state_dict(), batch=batch, tokens=tokens,
+                          hidden_layers=hidden_layers, **kw).eval()
 
 
 def _replace_layers(dims, layers):
@@ -149,9 +147,9 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     "dynamic" exports the per-row contract of export/batch.py, recorded as `batch`.
     tokens: graph name -> T (an int or "dynamic"), instead of the shapes' windows; e.g.
     {"step": "dynamic"} is one graph for prefill chunks, decode and verify (batched only).
-    hidden_layers: the graphs also return `hidden_states` [1, T, len * hidden] fp32, those
-    decoder layers' outputs side by side (for trained draft heads), recorded as
-    dims["hidden_layers"]; one-row graphs only, so far."""
+    hidden_layers: the graphs also return `hidden_states` [B, T, len * hidden] fp32 (B = 1 in the
+    one-row graphs), those decoder layers' outputs side by side at every position of the window
+    (for trained draft heads: heads/), recorded as dims["hidden_layers"]."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokens is not None:
         if batch is None and DYNAMIC in tokens.values():

@@ -73,9 +73,64 @@ def test_bad_hidden_layers_are_refused(lm, tmp_path):
     for bad in ((3,), (1, 0), (-1,), (1, 1)):
         with pytest.raises(ExportError, match="hidden_layers"):
             onnx_export.export_model(lm, SHAPES, tmp_path / "x", graphs=("decode",), hidden_layers=bad)
-    with pytest.raises(ExportError, match="batched graph"):
-        onnx_export.export_model(lm, SHAPES, tmp_path / "b", graphs=("decode",), batch=2, attention="rows",
-                                 hidden_layers=(0,))
+
+
+@pytest.mark.parametrize("attention", ["rows", "portable", "standard"])
+def test_the_batched_graph_returns_every_rows_hidden_states_at_every_position(lm, tmp_path, attention):
+    """Two rows of one call at different past lengths (a prompt chunk, then a 4-token window on
+    each): hidden_states [B, T, n*C] at every position of the window, whatever logit_pos binds,
+    equal transformers' hidden states of each row's whole sequence at those positions."""
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.ort_cpu import session_options
+    layers = (0, 1)                                    # not the last: transformers normalises that one
+    part = onnx_export.export_model(lm, SHAPES, tmp_path, attention=attention, batch="dynamic",
+                                    tokens={"step": "dynamic"}, hidden_layers=layers)
+    assert part["dims"]["hidden_layers"] == [0, 1]
+    sess = ort.InferenceSession(str(tmp_path / part["graphs"]["step"]["file"]), session_options(2),
+                                providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    assert names[-1] == mf.HIDDEN_STATES and names.count(mf.HIDDEN_STATES) == 1
+    d, M = part["dims"], SHAPES.kv_capacity
+    caches = [np.zeros((2, d["kv_heads"], M, d["head_dim"]), np.float32) for _ in range(2 * int(d["layers"]))]
+    seqs = [PROMPT[:9] + [11, 12, 13, 14], PROMPT[3:15] + [21, 22, 23, 24]]   # prompts of 9 and 12, then 4
+
+    def call(ids, lens, logit_pos):
+        feed = {"input_ids": np.array(ids, np.int64), "past_len": np.array(lens, np.int64),
+                "logit_pos": np.array(logit_pos, np.int64)}
+        if attention == "rows":
+            feed["kv_pos"] = np.arange(M, dtype=np.int64)
+        for i in range(int(d["layers"])):
+            feed[f"past_k_{i}"], feed[f"past_v_{i}"] = caches[2 * i], caches[2 * i + 1]
+        out = dict(zip(names, sess.run(None, feed)))
+        if attention != "portable":         # in place in the runtime (bound outputs); a copy here
+            for i in range(int(d["layers"])):
+                caches[2 * i][:], caches[2 * i + 1][:] = out[f"present_k_{i}"], out[f"present_v_{i}"]
+        else:                               # the caller writes the new K/V
+            for i in range(int(d["layers"])):
+                for j, kv in enumerate(("k", "v")):
+                    for b, n in enumerate(lens):
+                        caches[2 * i + j][b, :, n:n + len(ids[b])] = out[f"new_{kv}_{i}"][b]
+        return out[mf.HIDDEN_STATES]
+
+    got = []
+    for b, s in enumerate(seqs):            # each prompt alone in its row (row b of a 2-row call)
+        n = len(s) - 4
+        ids = [[0] * n, [0] * n]
+        ids[b] = s[:n]
+        lens = [0, 0] if b == 0 else [9, 0]
+        if b == 1:
+            ids[0] = [0] * n                  # row 0 pads past its length: never read
+        got.append(call(ids, lens, [[n - 1], [n - 1]])[b, :n])
+    window = call([seqs[0][9:], seqs[1][12:]], [9, 12], [[0], [3]])
+    assert window.shape == (2, 4, 2 * int(lm.dims.hidden)) and window.dtype == np.float32
+    for b, s in enumerate(seqs):
+        with torch.no_grad():
+            hs = lm.model(torch.tensor([s]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[i + 1] for i in layers], dim=-1)[0].numpy()
+        n = len(s) - 4
+        np.testing.assert_allclose(got[b], want[:n], atol=1e-4, rtol=1e-4, err_msg=f"row {b} prompt")
+        np.testing.assert_allclose(window[b], want[n:], atol=1e-4, rtol=1e-4, err_msg=f"row {b} window")
 
 
 def test_a_manifest_with_bad_hidden_layers_is_refused(tiny_engines, tmp_path):

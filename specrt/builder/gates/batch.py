@@ -48,8 +48,8 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     attention = batch_attention(cfg, target_part)
     draft = draft_spec(cfg, attention)
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise and draft is None else "_batch_fp32")
-    part = onnx_export.export_model(tgt, shapes, src, attention=attention,
-                                    batch="dynamic", tokens={"step": "dynamic"})
+    part = onnx_export.export_model(tgt, shapes, src, attention=attention, batch="dynamic",
+                                    tokens={"step": "dynamic"}, hidden_layers=tuple(cfg.hidden_layers))
     if cfg.precision != "fp32" or rowwise or draft is not None:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
         # graph once more as "prefill", int8 per channel; with an int8 self-draft, once more as

@@ -133,6 +133,11 @@ class OrtBatchModel:
         self._new = [np.zeros(R * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
             if not self.in_place else []
         self._vocab, self._kvh, self._hd = V, kvh, hd
+        # graphs built with --hidden-layers also return the tapped layers' outputs at every position
+        # (a trained draft head reads them): bound to one buffer; `hidden` is the last call's [n, T, F]
+        self.hidden_width = len(d.get("hidden_layers") or ()) * int(d["hidden"]) if io_has_hidden(entry) else 0
+        self._hidden = np.zeros(R * t_max * self.hidden_width, np.float32)
+        self.hidden: np.ndarray | None = None
         self._bindings: dict[tuple, tuple] = {}
 
     @staticmethod
@@ -201,6 +206,8 @@ class OrtBatchModel:
             else:
                 pos[:] = self._every[:T2]
         self._sessions[file].run_with_iobinding(binding)
+        if self.hidden_width:
+            self.hidden = self._hidden[:n2 * T2 * self.hidden_width].reshape(n2, T2, -1)[:n, :T]
         if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
             for j, buf in enumerate(self.cache.keys + self.cache.values):
                 nk = new[j]
@@ -249,6 +256,9 @@ class OrtBatchModel:
         b.bind_ortvalue_output(io["logits"], value(logits))
         if pos is not None:
             b.bind_ortvalue_input(LOGIT_POS, value(pos))
+        if self.hidden_width:
+            b.bind_ortvalue_output(io["hidden_states"],
+                                   value(self._hidden[:n * T * self.hidden_width].reshape(n, T, -1)))
         new = []
         layers = self.entry.layers
         for i in range(layers):
@@ -267,6 +277,11 @@ class OrtBatchModel:
             new = new[0::2] + new[1::2]
         self._bindings[key] = entry = (b, ids, past, logits, new, pos, hold)
         return entry[:6]
+
+
+def io_has_hidden(entry: ModelEntry) -> bool:
+    """Do this model's graphs return `hidden_states` (built with --hidden-layers)?"""
+    return bool(entry.io.get("hidden_states"))
 
 
 def check_static_tokens(entry: ModelEntry, shapes: Shapes, graph_tokens: dict[str, int],
@@ -307,6 +322,8 @@ def _check_signature(session, path: Path, entry: ModelEntry, dt: dict, capacity:
     outputs = {io["logits"]: ((None, None, int(d["vocab"])), dt["logits"]),
                **{io[k] % i: (past if entry.in_place else new, dt["kv"]) for i in range(entry.layers)
                   for k in out_kv}}
+    if io_has_hidden(entry):
+        outputs[io["hidden_states"]] = ((None, None, len(d["hidden_layers"]) * int(d["hidden"])), "float32")
     for kind, want, have in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
         got = {t.name: (tuple(t.shape), t.type) for t in have if t.name not in (LOGIT_POS, KV_POS)}
         if set(got) != set(want):
