@@ -32,7 +32,7 @@ def cmd_build(a) -> int:
                      precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                      quantize_lm_head={None: None, "quantized": True, "fp32": False}[a.lm_head], batch=a.batch,
                      batch_prefill=a.batch_prefill, batch_attention=a.batch_attention,
-                     batch_block_size=a.batch_block_size)
+                     batch_block_size=a.batch_block_size, hidden_layers=a.hidden_layers or ())
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
     return 0
@@ -43,9 +43,9 @@ def cmd_generate(a) -> int:
     from specrt import manifest as mf
     # no --plain / --lookup: the draft when the folder has one, else plain decoding
     method = "plain" if a.plain else "lookup" if a.lookup else \
-        "speculative" if mf.load(a.engines).draft is not None else "plain"
+        "speculative" if mf.load(a.engines).draft is not None or a.head else "plain"
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,
-                               methods=(method,), engine=a.engine)
+                               methods=(method,), engine=a.engine, head=a.head)
     for chunk in gen.stream(a.prompt, max_new_tokens=a.max_new_tokens, sampling=_sampling(a), stop=a.stop or (),
                             chat=not a.raw, method=method, ngram=a.lookup or 2, structured=_structured(a)):
         print(chunk.text, end="", flush=True)
@@ -184,7 +184,7 @@ def cmd_serve(a) -> int:
         raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing): "
                           "pip install 'specrt[serve]'") from None
     return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, max_num_seqs=a.max_num_seqs,
-                             queue_size=a.queue_size, prefill_budget=a.prefill_budget,
+                             queue_size=a.queue_size, prefill_budget=a.prefill_budget, head=a.head,
                              timeout=a.timeout, memory=a.memory, threads=a.threads, model_name=a.model_name,
                              log_level="info" if a.verbose else "warning",
                              api_key=a.api_key if a.api_key is not None else os.environ.get("SPECRT_API_KEY"),
@@ -282,6 +282,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "--block-size's (default: --block-size's). Larger blocks make steps cheaper and the model "
                         "less faithful to fp32; above 32 the runtime pads every batched call to an even number of "
                         "rows (docs/batching.md)")
+    b.add_argument("--hidden-layers", type=_layer_list, default=None,
+                   help="with --batch: the batched graphs also return these decoder layers' outputs, which a "
+                        "draft head trained by `specrt train-draft` reads, e.g. 2,15,27 for SmolLM2")
     b.add_argument("--quiet", action="store_true", help="no progress bars (specrt's, transformers', Hugging Face's)")
     b.add_argument("--force", action="store_true",
                    help="replace --out even if it is not a previous specrt build (its contents are deleted)")
@@ -324,6 +327,8 @@ def make_parser() -> argparse.ArgumentParser:
     st.add_argument("--choice", action="append", help="the answer is one of these strings (repeatable)")
     st.add_argument("--grammar", metavar="GRAMMAR", help="a Lark or GBNF grammar (its text, or a file)")
     sampling_args(g)
+    g.add_argument("--head", metavar="DIR", help="a draft head from `specrt train-draft` as the draft (the folder "
+                                                 "built with --batch --hidden-layers; the answer does not change)")
     g.set_defaults(fn=cmd_generate)
 
     be = sub.add_parser("bench", help="plain vs speculative on the same prompts, interleaved, in one run")
@@ -404,6 +409,9 @@ def make_parser() -> argparse.ArgumentParser:
                          "it has fed this many prompt tokens (it may pass it by less than a chunk; default: one "
                          "chunk a step): requests that arrive together start sooner, running ones wait longer "
                          "for that step; answers do not change")
+    sv.add_argument("--head", metavar="DIR",
+                    help="a draft head from `specrt train-draft`: it drafts inside every batch where its measured "
+                         "cost pays (the folder built with --hidden-layers; answers do not change)")
     sv.add_argument("--timeout", type=float, default=300.0, help="seconds per request, queueing included")
     sv.add_argument("--memory", choices=("fast", "shared"), default="fast",
                     help="fast: per-session pre-packed weights; shared: one copy of the prefill weights, slower")
@@ -460,6 +468,9 @@ def make_parser() -> argparse.ArgumentParser:
     qd.add_argument("--json", action="store_true", help="print the manifest")
     qd.add_argument("--quiet", action="store_true", help="no progress lines")
     qd.set_defaults(fn=cmd_qdq)
+
+    from specrt.heads.cli import add_parser as add_train_draft
+    add_train_draft(sub, _positive_int)
     return p
 
 
@@ -507,6 +518,11 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be >= 1")
     return v
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    from specrt.heads.cli import _layers
+    return _layers(text)
 
 
 def _row_counts(text: str) -> tuple[int, ...]:

@@ -31,7 +31,8 @@ def _build_key() -> str:
     """Hash of everything a tiny build depends on (not the runtime: mutating it keeps the cache)."""
     h = hashlib.sha256()
     src = ROOT / "specrt"
-    globs = [sorted(src.glob(g)) for g in ("export/*.py", "calibration/*.py", "engines/*.py", "builder/**/*.py")]
+    globs = [sorted(src.glob(g)) for g in ("export/*.py", "calibration/*.py", "engines/*.py", "builder/**/*.py",
+                                           "heads/*.py")]
     assert all(globs), "a build-side folder moved: update _build_key (a stale key reuses outdated tiny engines)"
     files = [*sum(globs, []), src / "driver.py", src / "manifest.py", src / "cpu_features.py", TESTS / "tiny_models.py"]
     for f in sorted(files):
@@ -159,6 +160,24 @@ def tiny_batch_rows_engines(tmp_path_factory, tiny_pair) -> Path:
     return _once(tmp_path_factory, "eng-batch-rows",
                  lambda d: build_tiny(d / "batchr", target, "none", batch=True, batch_attention="rows",
                                       measure_costs=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tmp_path_factory, tiny_pair) -> tuple[Path, Path]:
+    """(engines, head): the tiny fp32 target's batched model in rows attention returning the
+    hidden states of layers 0 and 1 (`--batch --hidden-layers 0,1`), and a draft head trained
+    on its answers by `specrt train-draft`'s recipe (24 prompts x 24 tokens; seconds)."""
+    target, _ = tiny_pair
+
+    def make(d):
+        from specrt.heads.recipe import Recipe, run
+        eng = build_tiny(d / "eng", target, "none", batch=True, batch_attention="rows", measure_costs=True,
+                         ngram_tokens=0, hidden_layers=(0, 1))
+        run(Recipe(engines=eng, out=d / "head", max_prompts=24, max_new_tokens=24, draft_vocab=64, steps=3,
+                   epochs=8, lr=3e-3, seed=0, max_num_seqs=4), progress=False)
+        return d
+    root = _once(tmp_path_factory, "eng-head", make)
+    return root / "eng", root / "head"
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ class SpeculativeGenerator(TextStreaming):
     def __init__(self, engine_dir: str | Path, *, k: int | None = None, threads: int = 2,
                  memory: str = "fast", methods: Sequence[str] | None = None, verify: str = "full",
                  profile_dir: str | Path | None = None, adaptive: bool | None = None,
-                 backend_options: dict | None = None, engine: str = "auto"):
+                 backend_options: dict | None = None, engine: str = "auto", head: str | Path | None = None):
         """Load the engines in `engine_dir` (a folder written by `specrt build`).
 
         backend_options: passed to the backend that opens the models, e.g. {"cuda_graphs": False}
@@ -67,7 +67,9 @@ class SpeculativeGenerator(TextStreaming):
         (speculating as far as the batched model can: not at all with `--batch-attention gqa`);
         over its one-row graphs otherwise (batch/one_row.py). "one-row": over the one-row graphs
         in any case (what `specrt bench` and `specrt profile` time; on a `--batch` folder their
-        answers may differ from the batched server's)."""
+        answers may differ from the batched server's).
+        head: a folder written by `specrt train-draft`: the trained head is the draft (the folder's
+        batched model, built with --hidden-layers; docs/speculation.md#trained-heads)."""
         if verify not in mf.VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}; choose one of {mf.VERIFY_MODES}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -90,8 +92,12 @@ class SpeculativeGenerator(TextStreaming):
         if memory not in self.backend.memory_modes:
             raise SamplingParamsError(f"memory={memory!r}; choose one of {self.backend.memory_modes}")
         check_memory(man, memory)
+        if head is not None and (engine != "auto" or not one_engine(man)):
+            raise ConfigError("a draft head drafts inside the folder's batched model: open a folder built with "
+                              "`specrt build ... --batch --hidden-layers ...`, with engine='auto'")
+        self.head = head
         if methods is None:
-            methods = tuple(m for m in Method if man.draft is not None or not m.needs_draft)
+            methods = tuple(m for m in Method if man.draft is not None or head is not None or not m.needs_draft)
         if isinstance(methods, str) or not methods or any(m not in METHODS for m in methods):
             raise SamplingParamsError(f"methods={methods!r}; choose from {METHODS}")
         self.methods = tuple(Method(m) for m in methods)
@@ -146,11 +152,11 @@ class SpeculativeGenerator(TextStreaming):
         if adaptive is False:
             raise ConfigError(f"this folder's batched engine chooses every round by measured cost{one_row} with "
                               "fixed-k rounds")
-        if any(m.needs_draft for m in self.methods) and man.draft is None:
+        if any(m.needs_draft for m in self.methods) and man.draft is None and self.head is None:
             raise SamplingParamsError("these engines were built without a draft model (--draft none): pass "
-                                      "methods=('plain',) or ('plain', 'lookup')")
+                                      "methods=('plain',) or ('plain', 'lookup'), or a trained head (head=)")
         StepCosts.from_manifest((man.build or {}).get("speculation"))   # damaged one-row costs: refused here too
-        self.one = BatchOfOne.open(self.root, threads=threads, verify=verify, k=self.k)
+        self.one = BatchOfOne.open(self.root, threads=threads, verify=verify, k=self.k, head=self.head)
         self.tokenizer, self.vocab = self.one.tokenizer, int(man.batch.dims["vocab"])
         self.target = self.draft = None
         self.costs = self.one.full.costs
@@ -217,7 +223,7 @@ class SpeculativeGenerator(TextStreaming):
                                       "method='speculative' / 'plain' to sample")
         method = Method.parse(method)
         if method not in self.methods:
-            if method.needs_draft and self.manifest.draft is None:
+            if method.needs_draft and self.manifest.draft is None and self.head is None:
                 raise SamplingParamsError("these engines were built without a draft model (--draft none): use "
                                           "method='plain' (`specrt generate --plain`), or rebuild with a draft "
                                           "(`specrt build --draft int8`)")

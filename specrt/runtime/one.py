@@ -91,9 +91,10 @@ class BatchOfOne:
         self.has_draft = self.full.has_draft
 
     @classmethod
-    def open(cls, root, *, threads: int, verify: str, k: int) -> "BatchOfOne":
-        """The folder's batched model (`specrt build --batch`) as a batch of one."""
-        engine, tokenizer = batch_engine(root, max_num_seqs=1, threads=threads, verify=verify)
+    def open(cls, root, *, threads: int, verify: str, k: int, head=None) -> "BatchOfOne":
+        """The folder's batched model (`specrt build --batch`) as a batch of one (head: a trained
+        draft head's folder, the draft)."""
+        engine, tokenizer = batch_engine(root, max_num_seqs=1, threads=threads, verify=verify, head=head)
         return cls(engine, tokenizer, k=k)
 
     def policy(self, method: Method, ngram: int, fixed: bool | None = None) -> BatchPolicy:

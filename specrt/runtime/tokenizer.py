@@ -70,6 +70,10 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # --- chat ---------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list | None = None, documents: list | None = None, **kwargs: Any) -> str:
         """The chat as text, as transformers' `apply_chat_template(..., tokenize=False)` renders it.

@@ -112,9 +112,9 @@ class EnginePool:
     def __init__(self, engines: str | Path, *, copies: int = 1, max_num_seqs: int = 1, queue_size: int = 8,
                  threads: int = 2, memory: str = "fast", factory: Callable = open_batch,
                  on_generation: Callable[[int, int, int, int], None] | None = None,
-                 prefill_budget: int | None = None):
-        """factory(engines, max_num_seqs=, threads=, memory=[, prefill_budget=]) -> a BatchGenerator
-        (one copy; prefill_budget is passed only when set). on_generation(prompt tokens, tokens,
+                 prefill_budget: int | None = None, head: str | None = None):
+        """factory(engines, max_num_seqs=, threads=, memory=[, prefill_budget=][, head=]) -> a
+        BatchGenerator (one copy; prefill_budget and head are passed only when set). on_generation(prompt tokens, tokens,
         drafted, accepted): once per finished sample."""
         if copies < 1 or max_num_seqs < 1 or queue_size < 0:
             raise SpecrtError(f"copies={copies}, max_num_seqs={max_num_seqs}, queue_size={queue_size}: need copies "
@@ -122,7 +122,8 @@ class EnginePool:
         self.engines, self.copies, self.max_num_seqs = Path(engines), copies, max_num_seqs
         self.queue_size, self.threads, self.memory = queue_size, threads, memory
         self.factory, self.on_generation = factory, on_generation
-        self.extra = {"prefill_budget": prefill_budget} if prefill_budget is not None else {}
+        self.extra = {**({"prefill_budget": prefill_budget} if prefill_budget is not None else {}),
+                      **({"head": head} if head is not None else {})}
         self.info: list[EngineInfo] = []
         self.gens: list = []
         self._pending: collections.deque[Job] = collections.deque()

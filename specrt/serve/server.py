@@ -36,6 +36,7 @@ class ServeConfig:
     max_num_seqs: int | None = None
     queue_size: int = 8             # requests that may wait for a worker before 429
     prefill_budget: int | None = None   # prompt tokens an engine step may prefill (None: one chunk)
+    head: str | None = None         # a `specrt train-draft` folder: the draft inside every batch
     timeout: float = 300.0          # seconds from arrival to the last token
     memory: str = "fast"            # "fast" | "shared", passed to every worker's generator
     threads: int = 2                # ORT intra-op threads (one pool for the process)
@@ -96,7 +97,7 @@ def build_app(cfg: ServeConfig, factory: Callable | None = None):
                                "build ... --batch`, or serve it with --workers N (one request per engine copy)")
     pool = EnginePool(cfg.engines, copies=cfg.workers, max_num_seqs=rows, queue_size=cfg.queue_size,
                       threads=cfg.threads, memory=cfg.memory, factory=factory or open_batch,
-                      on_generation=metrics.record_generation, prefill_budget=cfg.prefill_budget)
+                      on_generation=metrics.record_generation, prefill_budget=cfg.prefill_budget, head=cfg.head)
     metrics.watch_batch(lambda: pool.stats)
     tok = Tokenizer(Path(cfg.engines), man.tokenizer)
     # structured outputs and logprobs run on the engine whatever the folder's model (runtime/batch/engine.py)

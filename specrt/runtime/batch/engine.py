@@ -69,7 +69,7 @@ class BatchEngine:
     def __init__(self, target: BatchModel, *, max_num_seqs: int, max_context: int, prefill_tokens: int,
                  k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
                  draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, head=None):
         """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
@@ -78,11 +78,16 @@ class BatchEngine:
         each chunk is still its own call of one row; with a larger budget a step goes on with the
         same prompt's next chunk, or admits and prefills the next waiting request, until the
         budget is spent, so requests that arrive together join in fewer steps (running rows
-        wait longer for that step). A row's tokens do not depend on it."""
+        wait longer for that step). A row's tokens do not depend on it.
+        head: a trained draft head (runtime/head.py) instead of a draft model: it reads the
+        target's hidden states (the target model must return them: `hidden`), kept per row until
+        its next draft round feeds them (_draft_head)."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
-        self.target, self.draft, self.policy = target, draft, policy
+        if head is not None and (draft is not None or not getattr(target, "hidden_width", 0)):
+            raise ValueError("a draft head needs a target that returns hidden states, and no draft model beside it")
+        self.target, self.draft, self.policy, self.head = target, draft, policy, head
         self.max_num_seqs, self.max_context, self.k_max, self.vocab = max_num_seqs, max_context, k_max, vocab
         self.prefill_tokens = prefill_tokens
         if prefill_budget is not None and (not isinstance(prefill_budget, int) or isinstance(prefill_budget, bool)
@@ -242,6 +247,11 @@ class BatchEngine:
         """A draft model with its own cache (it prefills prompts and keeps each row's draft_len)."""
         return self.draft is not None and not self.draft.shares_cache and self.policy.has_draft
 
+    @property
+    def _head_on(self) -> bool:
+        """A trained draft head drafts (the target's hidden states are kept for it)."""
+        return self.head is not None and self.policy.has_draft
+
     def _prefill_chunk(self) -> int:
         """One chunk of the pending row's prompt; returns its tokens."""
         row, slot = self.pending, len(self.rows)
@@ -263,6 +273,8 @@ class BatchEngine:
         trace.push("prefill")
         logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions, pad_start=0)
         trace.pop()
+        if self._head_on:          # the prompt's pairs go into the head's cache at its first draft round
+            row.feats.append(self.target.hidden[0, :len(chunk)].copy())
         if self._own_draft:
             # the same chunk into the draft's cache row (its logits are not read: its first
             # proposal comes from the round's catch-up of the row's last token)
@@ -300,6 +312,9 @@ class BatchEngine:
         if self._own_draft:
             self.draft.cache.move_row(slot, dst, row.draft_len)
             child.draft_len = row.draft_len
+        if self._head_on:
+            self.head.move_row(slot, dst, row.head_len)
+            child.head_len, child.feats = row.head_len, list(row.feats)
         self._unforked.pop(0)
         self.rows.append(child)
         self._first_token(child, last)
@@ -325,7 +340,8 @@ class BatchEngine:
         t0 = time.perf_counter()           # each phase's time goes to every row in the step (Metrics)
         if choice.kind is RoundKind.DRAFT:
             trace.push("draft")
-            proposals = self._draft_own(choice) if self._own_draft else self._draft(choice)
+            proposals = self._draft_head(choice) if self._head_on else \
+                self._draft_own(choice) if self._own_draft else self._draft(choice)
             trace.pop()
         else:
             # a guess (prompt lookup, a pair round's) is cut where the row's grammar forbids it
@@ -355,6 +371,8 @@ class BatchEngine:
                 self._fail(row, e)
                 continue
             self._logprobs(row, logits[i], list(p[:accepted]) + [nxt])
+            if self._head_on:      # the hidden states of the positions the round keeps, for the head
+                row.feats.append(self.target.hidden[i, :accepted + 1].copy())
             if choice.kind is RoundKind.DRAFT:
                 # the draft's own cache keeps K/V of seq[:length + 1] and of the proposals it fed
                 # after the first (draft_len = length + len(p)); only the accepted ones stay valid
@@ -495,6 +513,56 @@ class BatchEngine:
         self._rewind_guesses(rows, before)
         return [o[:m] for o, m in zip(out, limit)]
 
+    def _draft_head(self, choice: StepChoice) -> list:
+        """k guesses of a trained draft head (runtime/head.py) for every row: first the pairs its
+        cache lacks, (the target's hidden state at p, seq[p + 1]) for p in head_len..length-1, in
+        one call (longer lags first in chunks of at most a prompt chunk), the last pair's logits
+        giving guess 1; then k - 1 one-pair steps, each on the head's own output hidden state and
+        the guess before. Its cache keeps only the pairs of target hidden states (head_len =
+        length): the pairs of its own guesses are overwritten by the next round's."""
+        rows, n, k, head = self.rows, len(self.rows), choice.k, self.head
+        out = [np.zeros(min(k, max(r.room, 0)), np.int64) for r in rows]
+        C = self.prefill_tokens
+        while True:
+            lag = [r.length - r.head_len for r in rows]                 # >= 1: seq[-1] has no hidden state yet
+            last = max(lag) <= C
+            feeds = lag if last else [min(max(g - C, 0), C) for g in lag]   # a chunk leaves each row <= C to go
+            T = max(max(feeds), 1)
+            F = np.zeros((n, T, head.width), np.float32)
+            toks = np.zeros((n, T), np.int64)
+            starts = np.array([r.head_len for r in rows], np.int64)
+            for i, (r, m) in enumerate(zip(rows, feeds)):
+                if m:
+                    F[i, :m] = _take_feats(r, m)
+                    toks[i, :m] = r.seq[r.head_len + 1:r.head_len + 1 + m]
+            pos = np.array([[max(m - 1, 0)] for m in feeds], np.int64)
+            logits, hid = head.step(head.fc(F.reshape(n * T, -1)).reshape(n, T, -1), toks, starts, pos)
+            for r, m in zip(rows, feeds):
+                r.head_len += m
+            if last:
+                break
+        limit = [len(o) for o in out]
+        before = [r.req.grammar.consumed if r.req.grammar is not None else 0 for r in rows]
+        cur = np.zeros((n, 1), np.int64)
+        state = np.stack([hid[i, feeds[i] - 1] for i in range(n)])[:, None]     # [n, 1, h]
+        zero = np.zeros((n, 1), np.int64)
+        for j in range(k):
+            if j:
+                logits, state = head.step(state, cur, np.array([r.length + j - 1 for r in rows], np.int64), zero)
+            for i, row in enumerate(rows):
+                if j < limit[i] and row.req.grammar is not None and row.error is None and \
+                        not np.isfinite(row.req.grammar.masked(head.full_logits(logits[i]), self._masked)).any():
+                    limit[i] = j        # the grammar allows none of the head's tokens here: stop guessing
+                if j < limit[i]:
+                    cur[i, 0], more = self._guess(row, head.full_logits(logits[i]), j)
+                    out[i][j] = cur[i, 0]
+                    if not more:
+                        limit[i] = j + 1
+            if all(j + 1 >= m for m in limit):
+                break
+        self._rewind_guesses(rows, before)
+        return [o[:m] for o, m in zip(out, limit)]
+
     def _feed_draft(self, first_row: int, feeds: list, starts: list[int], graph: str, last: bool = False,
                     pad: int | None = None):
         """One draft call writing feeds[i] at starts[i] into draft cache row first_row + i (shorter
@@ -594,6 +662,8 @@ class BatchEngine:
         self.target.cache.move_row(src, dst, row.length)
         if self.draft is not None and not self.draft.shares_cache:
             self.draft.cache.move_row(src, dst, row.draft_len)
+        if self.head is not None:
+            self.head.move_row(src, dst, row.head_len)
 
     def _finish(self, row: Row) -> None:
         if not row.prefilled:       # left before its prompt was prefilled: its samples not yet forked too
@@ -615,3 +685,12 @@ class BatchEngine:
         if static:
             return static
         return max(want, self.min_tokens, -(-self.target.min_rows // n))
+
+
+def _take_feats(row: Row, m: int) -> np.ndarray:
+    """The first m of a row's kept hidden states [m, F], removed from it."""
+    allf = row.feats[0] if len(row.feats) == 1 else np.concatenate(row.feats)
+    if len(allf) < m:
+        raise AssertionError(f"a row keeps {len(allf)} hidden states, its head needs {m}")
+    row.feats = [allf[m:]] if len(allf) > m else []
+    return allf[:m]

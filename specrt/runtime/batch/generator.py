@@ -312,7 +312,8 @@ class BatchGenerator:
 
 def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: int | None = None,
                verify: str = "full", buckets: Sequence[int] | None = None, execution: str = "cpu",
-               speculate: bool = True, memory: str = "fast", prefill_budget: int | None = None) -> BatchGenerator:
+               speculate: bool = True, memory: str = "fast", prefill_budget: int | None = None,
+               head: str | None = None) -> BatchGenerator:
     """A BatchGenerator over an engine folder built with `specrt build --batch` (its "batch"
     model: the target with a batch dimension). One copy of the weights serves up to
     `max_num_seqs` requests at once; each step runs every running row one round and
@@ -335,9 +336,14 @@ def open_batch(engines, *, max_num_seqs: int = 8, threads: int = 2, max_queue: i
     buckets: run static row buckets (e.g. (1, 2, 4, 8)) through the device runner with one
     captured graph per bucket (backends/device_batch.py) instead of ONNX Runtime's dynamic
     rows; execution "cpu" runs that path here (tests), "cuda" is GPU-ONLY and NOT YET RUN ON
-    A GPU (it needs fp16 batched graphs `specrt build --batch` does not make yet)."""
+    A GPU (it needs fp16 batched graphs `specrt build --batch` does not make yet).
+
+    head: a folder written by `specrt train-draft` (runtime/head.py): the trained head drafts
+    inside the batch instead of the folder's draft, per row, where its measured cost pays
+    (the folder's batched model must return the hidden states it reads: `specrt build --batch
+    --hidden-layers ...`)."""
     engine, tok = batch_engine(engines, max_num_seqs=max_num_seqs, threads=threads, verify=verify, buckets=buckets,
-                               execution=execution, speculate=speculate, memory=memory)
+                               execution=execution, speculate=speculate, memory=memory, head=head)
     if prefill_budget is not None:
         engine.prefill_budget = _budget(prefill_budget)
     return BatchGenerator(engine, tok, max_queue=max_queue)
@@ -351,7 +357,7 @@ def _budget(tokens) -> int:
 
 def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: str = "full",
                  buckets: Sequence[int] | None = None, execution: str = "cpu", speculate: bool = True,
-                 memory: str = "fast"):
+                 memory: str = "fast", head: str | None = None):
     """(BatchEngine, Tokenizer) of an engine folder, as open_batch describes, with no thread
     stepping it (BatchEngine.drive runs a request from the caller's thread)."""
     from pathlib import Path
@@ -378,6 +384,10 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     if entry is None and buckets is not None:
         raise ConfigError(f"{root} has no batched model, so it has no row buckets: rebuild it with `specrt build ... "
                           "--batch`, or open it without buckets")
+    if head is not None and (entry is None or buckets is not None or not speculate):
+        raise ConfigError(f"a draft head drafts inside the batched model: {root} has none (rebuild it with `specrt build "
+                          "... --batch --hidden-layers ...`)" if entry is None else
+                          "a draft head with buckets or speculate=False: the head would never run; leave it out")
     if entry is None and max_num_seqs == 1:
         return _one_row(root, man, backend, threads, verify, speculate, memory)
     if entry is None:
@@ -398,8 +408,10 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     model = backend.open_batch(root, entry, man.shapes, rows=max_num_seqs, graphs=graphs, threads=threads,
                                buckets=buckets, execution=execution)
     policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
-    draft = None
-    if policy.has_draft and man.batch_draft is not None:
+    draft = trained = None
+    if head is not None:
+        trained, policy = _head(head, root, man, entry, policy, max_num_seqs, threads)
+    elif policy.has_draft and man.batch_draft is not None:
         # a draft model inside the batch, with its own cache: it prefills each prompt beside the
         # target and catches each row up on the tokens its cache lacks (runtime/batch/engine.py)
         draft = backend.open_batch(root, man.batch_draft, man.shapes, rows=max_num_seqs, threads=threads, min_rows=1)
@@ -416,7 +428,7 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,
-                         draft=draft)
+                         draft=draft, head=trained)
     engine.grammars = grammars
     return engine, tok
 
@@ -504,6 +516,28 @@ def _policy(root, man, entry, speculate: bool):
     priors = {"draft": _draft_prior(own or entry)} if draft else None
     return BatchPolicy(costs, k, lookup=PromptLookup(2, k), pair_guess=Chain([OneGram()] + table), draft=draft,
                        priors=priors), min_tokens
+
+
+def _head(folder, root, man, entry, policy, rows: int, threads: int):
+    """(HeadModel, the policy with the head as its draft): the head's step costs from head.json
+    (measured by `specrt train-draft` beside the folder's target steps), its prior acceptance
+    from the held-out acceptance it recorded."""
+    from specrt.runtime.batch.policy import BatchPolicy
+    from specrt.runtime.head import HeadModel, check_head_for, read_head
+    hroot, meta = read_head(folder)
+    check_head_for(meta, entry, hroot)
+    if policy.costs is None:
+        raise ConfigError(f"{root}: its batched model runs plain steps only (no window invariance or no measured "
+                          "costs), so a draft head would never run: rebuild it with `specrt build ... --batch`")
+    costs = (meta.get("costs_ms") or {}).get("draft")
+    if not isinstance(costs, dict) or not costs:
+        raise ManifestError(f"{hroot}/head.json has no costs_ms.draft (the head's step time): train it again with "
+                            "`specrt train-draft`")
+    model = HeadModel(hroot, rows=rows, capacity=man.shapes.kv_capacity, vocab=int(entry.dims["vocab"]),
+                      threads=threads)
+    costs = policy.costs.with_draft(costs, f"{hroot}/head.json costs_ms.draft")
+    return model, BatchPolicy(costs, policy.k_max, lookup=policy.lookup, pair_guess=policy.pair_guess, draft=True,
+                              priors={"draft": model.prior()})
 
 
 def _draft_prior(entry) -> float:

@@ -98,6 +98,11 @@ class BatchCosts:
         draft = None if c.get("draft") is None else _table(c["draft"], f"{where}.draft")
         return cls(target, draft)
 
+    def with_draft(self, draft: dict, where: str) -> "BatchCosts":
+        """The same target costs with another draft's step costs ({rows: ms}, checked as the
+        manifest's are: a trained head's, recorded in its head.json)."""
+        return BatchCosts(self._target, _table(draft, where))
+
     def target(self, n: int, T: int) -> float:
         Ts = sorted(self._target)
         t = min(Ts, key=lambda x: (abs(x - T), -x))        # the nearest measured T (ties: the larger)

@@ -86,6 +86,8 @@ class Row:
         self.seq = list(req.prompt)
         self.length = 0                       # prefill progress, then target rows with K/V
         self.draft_len = 0                    # rows of a draft's own cache with K/V of seq (engine.py)
+        self.head_len = 0                     # pairs in a draft head's cache (engine.py _draft_head)
+        self.feats: list = []                 # the target's hidden states at positions head_len..length-1
         self.emitted = 0
         self.text = TextTail(tokenizer, req.stop, stop_token_ids=req.stop_token_ids,
                              ignore_eos=req.ignore_eos) if tokenizer is not None else None

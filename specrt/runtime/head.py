@@ -1,0 +1,140 @@
+"""A trained draft head (`specrt train-draft`, specrt/heads/) at run time: its folder, checked,
+and its graphs over a cache of rows, for the batched engine (runtime/batch/engine.py).
+
+    folder     head.json (format "specrt-eagle-head"), head_fc.onnx, head.onnx, vocab_map.npy:
+               plain file names inside the folder, each with its sha256 in head.json
+    cache      K and V of its one layer: [rows, KVH, capacity, D] each, allocated once; row r
+               holds pairs (feature of position p, token p+1) for p < the row's head_len
+    fc         the target's tapped layers [N, n*h] -> the pair feature [N, h]
+    step       rows 0..n-1: hidden [n, T, h], tokens [n, T], starts [n] (the row's head_len),
+               positions [n, 1] -> (logits [n, Vd] at those positions, hidden_out [n, T, h]);
+               each row's T new K/V are written at starts[i] (padding past a row's own pairs
+               lands where nothing reads it)
+
+The head reads the target's own hidden states, so the folder it drafts for must return the
+same layers (`specrt build --batch --hidden-layers ...`): checked when it is opened. What it
+proposes never changes a token: the target verifies every one (runtime/choice.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specrt.errors import ConfigError, GraphFileError, ManifestError
+from specrt.manifest_files import sha256_file
+
+FORMAT, VERSION = "specrt-eagle-head", 1
+FILES = ("fc", "head", "vocab_map")
+
+
+def read_head(folder: str | Path) -> tuple[Path, dict]:
+    """(folder, head.json) after checking its structure and that every file it names is a plain
+    name inside the folder with the recorded sha256."""
+    root = Path(folder)
+    path = root / "head.json"
+    if not path.is_file():
+        raise ConfigError(f"{root} has no head.json: give a folder written by `specrt train-draft`")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is not JSON ({e}): train the head again with `specrt train-draft`") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ManifestError(f"{path} is not a specrt head of format {FORMAT} version {VERSION}: train it again with "
+                            "this specrt's `specrt train-draft`")
+    cfg, files, layers = meta.get("config"), meta.get("files"), meta.get("layers")
+    need = ("hidden", "n_feats", "kv_heads", "head_dim", "draft_vocab")
+    if not isinstance(cfg, dict) or any(not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)
+                                        or cfg[k] < 1 for k in need):
+        raise ManifestError(f"{path}: config must give positive integers {', '.join(need)}; the file was edited")
+    if not isinstance(layers, list) or len(layers) != cfg["n_feats"] or \
+            any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
+        raise ManifestError(f"{path}: layers={layers!r} must list config.n_feats target layer indices")
+    if not isinstance(files, dict) or set(files) != set(FILES):
+        raise ManifestError(f"{path}: files must name exactly {', '.join(FILES)}; the file was edited")
+    for name in FILES:
+        f = files[name]
+        fname = f.get("file") if isinstance(f, dict) else None
+        if not isinstance(fname, str) or not fname or Path(fname).name != fname or fname in (".", ".."):
+            raise ManifestError(f"{path}: files.{name}.file={fname!r} must be a plain file name inside {root}")
+        p = root / fname
+        if not p.is_file() or p.is_symlink():
+            raise GraphFileError(f"{p} is missing (or a link): train the head again with `specrt train-draft`")
+        if sha256_file(p) != f.get("sha256"):
+            raise GraphFileError(f"{p} does not match its sha256 in {path}: the file changed since training; train "
+                                 "the head again")
+    return root, meta
+
+
+def check_head_for(meta: dict, entry, folder: Path) -> None:
+    """The engine folder's batched model returns the layers the head reads, at its width."""
+    d = entry.dims
+    have = list(d.get("hidden_layers") or [])
+    if have != meta["layers"]:
+        flag = ",".join(map(str, meta["layers"]))
+        raise ConfigError(f"the head in {folder} reads target layers {meta['layers']}, but this engine folder's batched "
+                          f"model returns {have or 'no hidden states'}: rebuild it with `specrt build ... --batch "
+                          f"--hidden-layers {flag}`")
+    if int(d["hidden"]) != meta["config"]["hidden"]:
+        raise ConfigError(f"the head in {folder} was trained for a target of width {meta['config']['hidden']}, this one "
+                          f"has {d['hidden']}: train a head for this model")
+
+
+class HeadModel:
+    def __init__(self, folder: str | Path, *, rows: int, capacity: int, vocab: int, threads: int = 2):
+        import onnxruntime as ort
+
+        from specrt.runtime.backends.ort_cpu import session_options
+        self.root, self.meta = read_head(folder)
+        c = self.meta["config"]
+        files = self.meta["files"]
+        vm = np.load(self.root / files["vocab_map"]["file"], allow_pickle=False)
+        if vm.ndim != 1 or len(vm) != c["draft_vocab"] or vm.dtype.kind not in "iu" or \
+                (len(vm) and (vm.min() < 0 or vm.max() >= vocab or np.any(np.diff(vm) <= 0))):
+            raise ManifestError(f"{self.root}: vocab_map must hold config.draft_vocab increasing token ids below the "
+                                f"target's vocabulary ({vocab}); train the head again")
+        self.vocab_map = vm.astype(np.int64)
+        self.vocab, self.hidden, self.width = vocab, c["hidden"], c["hidden"] * c["n_feats"]
+        opts = session_options(threads)
+        self._fc = ort.InferenceSession(str(self.root / files["fc"]["file"]), opts, providers=["CPUExecutionProvider"])
+        self._head = ort.InferenceSession(str(self.root / files["head"]["file"]), opts,
+                                          providers=["CPUExecutionProvider"])
+        self.rows, self.capacity = rows, capacity
+        shape = (rows, c["kv_heads"], capacity, c["head_dim"])
+        self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self._full = np.full(vocab, -np.inf, np.float32)
+        self.acceptance = (self.meta.get("acceptance") or {})
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for a in (self.keys, self.values):
+            np.copyto(a[dst, :, :length], a[src, :, :length])
+
+    def fc(self, features: np.ndarray) -> np.ndarray:
+        return self._fc.run(None, {"features": np.ascontiguousarray(features, np.float32)})[0]
+
+    def step(self, hidden: np.ndarray, tokens: np.ndarray, starts: np.ndarray, positions: np.ndarray):
+        n, T = tokens.shape
+        if int(starts.max()) + T > self.capacity:
+            raise ValueError(f"head step past its cache: start {int(starts.max())} + {T} > {self.capacity}")
+        logits, out, nk, nv = self._head.run(None, {
+            "hidden": np.ascontiguousarray(hidden, np.float32), "input_ids": np.ascontiguousarray(tokens, np.int64),
+            "past_len": np.ascontiguousarray(starts, np.int64), "logit_pos": np.ascontiguousarray(positions, np.int64),
+            "past_k": self.keys[:n], "past_v": self.values[:n]})
+        for i in range(n):
+            s = int(starts[i])
+            self.keys[i, :, s:s + T] = nk[i]
+            self.values[i, :, s:s + T] = nv[i]
+        return logits[:, 0], out
+
+    def full_logits(self, draft_logits: np.ndarray) -> np.ndarray:
+        """Logits over the target's vocabulary: the head's at its draft tokens, -inf elsewhere (a
+        reused buffer: read it before the next call)."""
+        self._full[self.vocab_map] = draft_logits
+        return self._full
+
+    def prior(self) -> float:
+        """Its acceptance per drafted token measured on held-out prompts (head.json), for the policy's
+        prior: the mean of its per-position rates."""
+        alpha = [a for a in (self.acceptance.get("alpha") or []) if isinstance(a, (int, float))]
+        return float(min(max(np.mean(alpha), 0.0), 1.0)) if alpha else 0.5
