@@ -65,7 +65,8 @@ class EagleHead(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden
-        self.register_buffer("embed", embed.detach().clone(), persistent=False)     # [V, h], frozen
+        # [V, h], frozen; fp16 (the export's largest tensor: half the file), widened after the gather
+        self.register_buffer("embed", embed.detach().to(torch.float16), persistent=False)
         self.register_buffer("vocab_map", vocab_map.long())                           # [Vd] draft -> target id
         self.fc = nn.Linear(cfg.n_feats * h, h, bias=False)
         self.norm_e, self.norm_h = RMSNorm(h, cfg.eps), RMSNorm(h, cfg.eps)
@@ -80,13 +81,13 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(h, cfg.eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab, bias=False)
         with torch.no_grad():           # start the LM head from the target's (tied) rows
-            self.lm_head.weight.copy_(embed[self.vocab_map])
+            self.lm_head.weight.copy_(embed[self.vocab_map].float())
 
     # --- pieces shared by training and the export -------------------------------------------
     def pair_input(self, feat: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x [.., 2h] the layer's input, residual [.., h]): feat is the h-wide feature (fc of the
         target's layers, or the head's own output), tokens the next tokens."""
-        e = self.embed[tokens]
+        e = self.embed[tokens].float()
         return torch.cat([self.norm_e(e), self.norm_h(feat)], -1), feat
 
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
