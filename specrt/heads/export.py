@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specrt.export.onnx_export import EXPORTER_LOGGER, logger_level
 from specrt.heads.model import EagleHead, rope
 
 
@@ -81,7 +83,8 @@ def export_head(head: EagleHead, out_dir: Path) -> dict[str, Path]:
     N = torch.export.Dim("rows")
     paths = {"fc": out_dir / "head_fc.onnx", "head": out_dir / "head.onnx"}
     quiet = io.StringIO()
-    with torch.no_grad(), contextlib.redirect_stdout(quiet), warnings.catch_warnings():
+    with torch.no_grad(), contextlib.redirect_stdout(quiet), warnings.catch_warnings(), \
+            logger_level(EXPORTER_LOGGER, logging.ERROR):
         warnings.simplefilter("ignore")
         torch.onnx.export(HeadFc(head).eval(), (torch.zeros(3, c.n_feats * c.hidden),), str(paths["fc"]),
                           dynamo=True, input_names=["features"], output_names=["hidden"],
