@@ -42,6 +42,8 @@ def cmd_generate(a) -> int:
     from specrt.runtime import SpeculativeGenerator
     from specrt import manifest as mf
     # no --plain / --lookup: the draft when the folder has one, else plain decoding
+    if a.head and (a.plain or a.lookup):
+        raise ConfigError("--head drafts; --plain and --lookup do not: give one of them")
     method = "plain" if a.plain else "lookup" if a.lookup else \
         "speculative" if mf.load(a.engines).draft is not None or a.head else "plain"
     gen = SpeculativeGenerator(a.engines, k=a.k, threads=a.threads, memory=a.memory, verify=a.verify,

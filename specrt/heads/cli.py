@@ -27,6 +27,17 @@ def _layers(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _positive(text: str) -> float:
+    import math
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive finite number")
+    return v
+
+
 def cmd_train_draft(a) -> int:
     from specrt.errors import ConfigError
     from specrt.heads.recipe import Recipe, run
@@ -66,9 +77,9 @@ def add_parser(sub, positive_int) -> None:
     t.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer")
     t.add_argument("--draft-vocab", type=positive_int, default=8192, help="tokens the head can propose")
     t.add_argument("--steps", type=positive_int, default=4, help="draft steps unrolled in training (and measured)")
-    t.add_argument("--epochs", type=float, default=2.0, help="passes over the training data")
-    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, cosine)")
-    t.add_argument("--time-budget", type=float, help="stop training after this many seconds (the data stages "
+    t.add_argument("--epochs", type=_positive, default=2.0, help="passes over the training data")
+    t.add_argument("--lr", type=_positive, default=1e-3, help="peak learning rate (AdamW, cosine)")
+    t.add_argument("--time-budget", type=_positive, help="stop training after this many seconds (the data stages "
                                                      "resume from disk anyway)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", action="store_true", help="print head.json")

@@ -97,6 +97,9 @@ def run(r: Recipe, progress: bool = True) -> dict:
     if not str(source) or not Path(source).exists():
         raise ConfigError(f"the target's source {source!s:.200} is not on this machine: pass --model (the "
                           "Hugging Face directory or GGUF file the engines were built from)")
+    layers = check_folder(man, r)
+    if r.draft_vocab > int(man.batch.dims["vocab"]):
+        raise ConfigError(f"--draft-vocab {r.draft_vocab} exceeds the target's vocabulary ({man.batch.dims['vocab']})")
     work = r.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -107,21 +110,18 @@ def run(r: Recipe, progress: bool = True) -> dict:
         train_prompts = [p.text for p in cal] + data.template_prompts(r.seed)
     held_ids = {p.text for p in held}
     train_prompts = [p for p in train_prompts if p not in held_ids][: r.max_prompts]
+    check_work(work, r, man, source, train_prompts, layers)
     tag = f"{len(train_prompts)}-{'-'.join(f'{t:g}' for t in r.samples)}-{r.max_new_tokens}-{r.seed}"
     rows = data.answer(r.engines, train_prompts, work / f"answers-{tag}.jsonl", samples=r.samples, seed=r.seed,
                        max_new_tokens=r.max_new_tokens, max_num_seqs=r.max_num_seqs)
-    held_rows = data.answer(r.engines, [p.text for p in held], work / "held-greedy.jsonl", samples=(0.0,), seed=0,
-                            max_new_tokens=r.max_new_tokens, max_num_seqs=r.max_num_seqs)
+    held_rows = data.answer(r.engines, [p.text for p in held], work / f"held-greedy-{r.max_new_tokens}.jsonl",
+                            samples=(0.0,), seed=0, max_new_tokens=r.max_new_tokens, max_num_seqs=r.max_num_seqs)
     t_answers = time.monotonic() - t0
     lm = load_source(source)
-    layers = r.layers or default_layers(int(lm.dims.layers))
-    if max(layers) >= int(lm.dims.layers) - 1:
-        raise ConfigError(f"--layers {','.join(map(str, layers))}: the target has {lm.dims.layers} layers; give indices "
-                          f"below {int(lm.dims.layers) - 1} (the last layer's output is the final norm's input, "
-                          "which the head does not read)")
     ltag = "-".join(map(str, layers))
     train_paths = data.teacher(lm.model, rows, work / f"teacher-{tag}-{ltag}", layers, top_k=r.top_k)
-    held_paths = data.teacher(lm.model, held_rows, work / f"teacher-held-{ltag}", layers, top_k=r.top_k)
+    held_paths = data.teacher(lm.model, held_rows, work / f"teacher-held-{r.max_new_tokens}-{ltag}", layers,
+                              top_k=r.top_k)
     t_teacher = time.monotonic() - t0 - t_answers
     shards, held_shards = load_shards(train_paths), load_shards(held_paths)
     vocab_map = draft_vocabulary(shards, r.draft_vocab)
@@ -178,6 +178,54 @@ def measure_costs(out: Path, man, runs: int = 7) -> dict:
         draft[str(n)] = round(float(np.median(times[1:])) * 1e3, 4)
     return {"draft": draft, "context": context, "runs": runs,
             "target_measured_by": "the build (manifest build.speculation.batch_costs_ms)"}
+
+
+def check_folder(man, r: Recipe) -> tuple[int, ...]:
+    """The layers the head will read: those the folder's batched model returns (`--hidden-layers`),
+    refused before any work when the folder cannot run a head (no batched model, no hidden
+    states, other layers than --layers, the last layer)."""
+    n = int(man.target.dims["layers"])
+    want = tuple(r.layers or default_layers(n))
+    flag = ",".join(map(str, want))
+    if man.batch is None:
+        raise ConfigError(f"{r.engines} has no batched model, where a head drafts: rebuild it with `specrt build ... "
+                          f"--batch --hidden-layers {flag}`")
+    have = tuple(man.batch.dims.get("hidden_layers") or ())
+    if not have:
+        raise ConfigError(f"{r.engines} returns no hidden states for a head to read: rebuild it with `specrt build ... "
+                          f"--batch --hidden-layers {flag}`")
+    if r.layers is not None and tuple(r.layers) != have:
+        raise ConfigError(f"--layers {flag}: {r.engines} returns layers {','.join(map(str, have))}; leave --layers out "
+                          f"(the head reads what the folder returns) or rebuild it with --hidden-layers {flag}")
+    if max(have) >= n - 1:
+        raise ConfigError(f"{r.engines} returns layer {max(have)} of {n}: the head reads layers before the last (the "
+                          "teacher's last hidden state is after the final norm); rebuild with --hidden-layers below "
+                          f"{n - 1}, e.g. {','.join(map(str, default_layers(n)))}")
+    return have
+
+
+def check_work(work: Path, r: Recipe, man, source, prompts: Sequence[str], layers) -> None:
+    """work/recipe.json: what the files in `work` were made from (the batched graphs' hashes, the
+    source, the prompts, the answer settings, the layers). A rerun resumes only from the same;
+    anything else is refused rather than trained on another model's answers."""
+    from specrt import manifest as mf
+    raw = json.loads((Path(r.engines) / mf.FILENAME).read_text())
+    batch = raw["models"]["batch"]
+    ident = {"graphs": hashlib.sha256(json.dumps([batch.get("graphs"), batch.get("weights")], sort_keys=True)
+                                      .encode()).hexdigest(),
+             "source": str(Path(source).resolve()),
+             "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+             "samples": list(r.samples), "max_new_tokens": r.max_new_tokens, "seed": r.seed, "layers": list(layers),
+             "top_k": r.top_k}
+    path = work / "recipe.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in ident if old.get(k) != ident[k])
+        if diff:
+            raise ConfigError(f"{work} holds answers and teacher files made otherwise ({', '.join(diff)} differ): give "
+                              "another --out, or delete that work folder to start over")
+    else:
+        path.write_text(json.dumps(ident, indent=1))
 
 
 def onnx_matches_torch(head, paths: dict, shards: Sequence[dict], steps: int, tol: float = 1e-4) -> dict:

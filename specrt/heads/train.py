@@ -34,7 +34,8 @@ def load_shards(paths: Iterable[Path]) -> list[dict]:
 
 def draft_vocabulary(shards: Sequence[dict], size: int) -> np.ndarray:
     """The `size` most frequent tokens of the answers and of the target's top-1 choices, by id."""
-    counts = np.zeros(int(max(s["top_id"].max() for s in shards)) + 1 + 65536, np.int64)
+    counts = np.zeros(max(int(max(s["top_id"].max() for s in shards)),
+                          int(max(s["tokens"].max() for s in shards))) + 1, np.int64)
     for s in shards:
         for i in range(len(s["lengths"])):
             lo, hi = int(s["prompt_len"][i]), int(s["lengths"][i])

@@ -36,6 +36,9 @@ def read_head(folder: str | Path) -> tuple[Path, dict]:
     path = root / "head.json"
     if not path.is_file():
         raise ConfigError(f"{root} has no head.json: give a folder written by `specrt train-draft`")
+    if path.is_symlink():
+        raise ManifestError(f"{path} is a symbolic link: a head folder holds its own head.json (train it again with "
+                            "`specrt train-draft`)")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
@@ -46,8 +49,11 @@ def read_head(folder: str | Path) -> tuple[Path, dict]:
     cfg, files, layers = meta.get("config"), meta.get("files"), meta.get("layers")
     need = ("hidden", "n_feats", "kv_heads", "head_dim", "draft_vocab")
     if not isinstance(cfg, dict) or any(not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)
-                                        or cfg[k] < 1 for k in need):
-        raise ManifestError(f"{path}: config must give positive integers {', '.join(need)}; the file was edited")
+                                        or not 1 <= cfg[k] <= (1 << 20) for k in need):
+        raise ManifestError(f"{path}: config must give integers in [1, 2^20] for {', '.join(need)}; the file was "
+                            "edited")
+    if not isinstance(meta.get("acceptance", {}), dict) or not isinstance(meta.get("costs_ms", {}), dict):
+        raise ManifestError(f"{path}: acceptance and costs_ms must be objects; the file was edited")
     if not isinstance(layers, list) or len(layers) != cfg["n_feats"] or \
             any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
         raise ManifestError(f"{path}: layers={layers!r} must list config.n_feats target layer indices")
@@ -83,23 +89,27 @@ def check_head_for(meta: dict, entry, folder: Path) -> None:
 
 class HeadModel:
     def __init__(self, folder: str | Path, *, rows: int, capacity: int, vocab: int, threads: int = 2):
-        import onnxruntime as ort
-
-        from specrt.runtime.backends.ort_cpu import session_options
         self.root, self.meta = read_head(folder)
         c = self.meta["config"]
         files = self.meta["files"]
-        vm = np.load(self.root / files["vocab_map"]["file"], allow_pickle=False)
-        if vm.ndim != 1 or len(vm) != c["draft_vocab"] or vm.dtype.kind not in "iu" or \
+        try:
+            vm = np.load(self.root / files["vocab_map"]["file"], allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise ManifestError(f"{self.root}: vocab_map is not a plain .npy array ({e}); train the head again") from None
+        if not isinstance(vm, np.ndarray) or vm.ndim != 1 or len(vm) != c["draft_vocab"] or vm.dtype.kind not in "iu" or \
                 (len(vm) and (vm.min() < 0 or vm.max() >= vocab or np.any(np.diff(vm) <= 0))):
             raise ManifestError(f"{self.root}: vocab_map must hold config.draft_vocab increasing token ids below the "
                                 f"target's vocabulary ({vocab}); train the head again")
         self.vocab_map = vm.astype(np.int64)
         self.vocab, self.hidden, self.width = vocab, c["hidden"], c["hidden"] * c["n_feats"]
-        opts = session_options(threads)
-        self._fc = ort.InferenceSession(str(self.root / files["fc"]["file"]), opts, providers=["CPUExecutionProvider"])
-        self._head = ort.InferenceSession(str(self.root / files["head"]["file"]), opts,
-                                          providers=["CPUExecutionProvider"])
+        self._fc = _session(self.root / files["fc"]["file"], threads, {"features": [None, self.width]},
+                            {"hidden": [None, self.hidden]})
+        kv = [None, c["kv_heads"], None, c["head_dim"]]
+        self._head = _session(self.root / files["head"]["file"], threads,
+                              {"hidden": [None, None, self.hidden], "input_ids": [None, None], "past_len": [None],
+                               "logit_pos": [None, None], "past_k": kv, "past_v": kv},
+                              {"logits": [None, None, c["draft_vocab"]], "hidden_out": [None, None, self.hidden],
+                               "new_k": kv, "new_v": kv})
         self.rows, self.capacity = rows, capacity
         shape = (rows, c["kv_heads"], capacity, c["head_dim"])
         self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
@@ -117,10 +127,13 @@ class HeadModel:
         n, T = tokens.shape
         if int(starts.max()) + T > self.capacity:
             raise ValueError(f"head step past its cache: start {int(starts.max())} + {T} > {self.capacity}")
+        # the cache positions any row may read, rounded up (a row reads only its own [0, start))
+        L = min(self.capacity, max(-(-int(starts.max()) // 64) * 64, 64))
+        past = [np.ascontiguousarray(a[:n, :, :L]) for a in (self.keys, self.values)]
         logits, out, nk, nv = self._head.run(None, {
             "hidden": np.ascontiguousarray(hidden, np.float32), "input_ids": np.ascontiguousarray(tokens, np.int64),
             "past_len": np.ascontiguousarray(starts, np.int64), "logit_pos": np.ascontiguousarray(positions, np.int64),
-            "past_k": self.keys[:n], "past_v": self.values[:n]})
+            "past_k": past[0], "past_v": past[1]})
         for i in range(n):
             s = int(starts[i])
             self.keys[i, :, s:s + T] = nk[i]
@@ -138,3 +151,34 @@ class HeadModel:
         prior: the mean of its per-position rates."""
         alpha = [a for a in (self.acceptance.get("alpha") or []) if isinstance(a, (int, float))]
         return float(min(max(np.mean(alpha), 0.0), 1.0)) if alpha else 0.5
+
+
+def _session(path: Path, threads: int, inputs: dict, outputs: dict):
+    """An ONNX Runtime session of one of the head's graphs, after checking that the graph keeps
+    its weights inside its file (no external data: nothing is read from outside the folder) and
+    that its inputs and outputs are the ones head.json's config implies."""
+    import onnx
+    import onnxruntime as ort
+
+    from specrt.runtime.backends.ort_cpu import session_options
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:
+        raise GraphFileError(f"{path} is not a readable ONNX file ({type(e).__name__}): train the head again") from None
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        raise GraphFileError(f"{path} refers to external weight files; a head's graphs hold their weights: train it "
+                             "again with `specrt train-draft`")
+    try:
+        sess = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise GraphFileError(f"ONNX Runtime could not load {path} ({type(e).__name__}: {str(e)[:300]}): train the "
+                             "head again") from None
+    for kind, want, have in (("input", inputs, sess.get_inputs()), ("output", outputs, sess.get_outputs())):
+        got = {t.name: t.shape for t in have}
+        if set(got) != set(want) or any(
+                isinstance(g, int) and w is not None and g != w
+                for name, dims in want.items() for w, g in zip(dims, got[name])) or \
+                any(len(got[name]) != len(dims) for name, dims in want.items()):
+            raise GraphFileError(f"{path}: its {kind}s {got} do not match head.json's config (want {want}): train "
+                                 "the head again")
+    return sess

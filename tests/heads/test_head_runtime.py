@@ -129,3 +129,44 @@ def test_a_grammar_that_allows_none_of_the_heads_tokens_ends_the_guess_not_the_r
                 assert gen.engine.stats.choices.get("draft", 0) > 0
     assert outs["head"] == outs["plain"]
     assert any(t not in vm for toks in outs["plain"] for t in toks)      # the grammar forced tokens the head lacks
+
+
+def test_samples_forked_from_one_prompt_and_the_single_stream_keep_their_answers(tiny_head):
+    """n samples of one prompt (its prefill copied into a row per sample, the kept hidden states
+    with it) and SpeculativeGenerator(head=) (a batch of one that switches policy per request)
+    give the answers the engine gives without the head."""
+    from specrt.runtime import SpeculativeGenerator
+    engines, head = tiny_head
+    s = SamplingParams(temperature=0.8, seed=3)
+    outs = {}
+    for name, h in (("plain", None), ("head", head)):
+        with open_batch(engines, max_num_seqs=4, head=h) as gen:
+            if h is not None:
+                _forced(gen)
+            outs[name] = [c.tokens for c in gen.generate_n(PROMPTS[2], 3, max_new_tokens=20, sampling=s)]
+    assert outs["head"] == outs["plain"]
+    plain = SpeculativeGenerator(engines)
+    with_head = SpeculativeGenerator(engines, head=head)
+    for p in PROMPTS[:4]:
+        want = plain.generate(p, max_new_tokens=20, method="plain").tokens
+        for method in ("lookup", "speculative", "plain", "speculative"):    # the policy changes between requests
+            assert with_head.generate(p, max_new_tokens=20, method=method).tokens == want, (p, method)
+
+
+def test_a_head_folder_with_a_linked_head_json_or_graphs_of_other_shapes_is_refused(tiny_head, tmp_path):
+    engines, head = tiny_head
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in head.iterdir():
+        if f.is_file() and f.name != "head.json":
+            shutil.copy(f, linked / f.name)
+    (linked / "head.json").symlink_to(head / "head.json")
+    with pytest.raises(ManifestError, match="symbolic link"):
+        open_batch(engines, head=linked)
+    other = tmp_path / "other"
+    shutil.copytree(head, other)
+    meta = json.loads((other / "head.json").read_text())
+    meta["config"]["head_dim"] *= 2
+    (other / "head.json").write_text(json.dumps(meta))
+    with pytest.raises(GraphFileError, match="do not match head.json"):
+        open_batch(engines, head=other)

@@ -149,3 +149,20 @@ def test_a_rerun_reuses_every_stage_on_disk(recipe_run):
                        max_new_tokens=4)
     assert len(rows) > 1                 # read back, not regenerated for the new prompt
     assert stamps == {p: p.stat().st_mtime_ns for p in work.rglob("*") if p.is_file()}
+
+
+def test_train_draft_refuses_what_could_not_run_before_any_work(tiny_head, tiny_batch_rows_engines, tmp_path):
+    """A folder without hidden states, --layers other than the folder's, and a work folder made
+    for other answers are refused at once, with the fix, not after hours of training."""
+    from specrt.errors import ConfigError
+    from specrt.heads.recipe import Recipe, run
+    engines, head = tiny_head
+    with pytest.raises(ConfigError, match="--hidden-layers"):
+        run(Recipe(engines=tiny_batch_rows_engines, out=tmp_path / "a"), progress=False)
+    with pytest.raises(ConfigError, match="--layers 0"):
+        run(Recipe(engines=engines, out=tmp_path / "b", layers=(0,)), progress=False)
+    import shutil
+    shutil.copytree(head / "work", tmp_path / "c" / "work")
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        run(Recipe(engines=engines, out=tmp_path / "c", max_prompts=24, max_new_tokens=25, draft_vocab=64, steps=3,
+                   seed=0), progress=False)

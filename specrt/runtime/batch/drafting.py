@@ -150,9 +150,8 @@ class DraftRounds:
             if j:
                 logits, state = head.step(state, cur, np.array([r.length + j - 1 for r in rows], np.int64), zero)
             for i, row in enumerate(rows):
-                if j < limit[i] and row.req.grammar is not None and row.error is None and \
-                        not np.isfinite(row.req.grammar.masked(head.full_logits(logits[i]), self._masked)).any():
-                    limit[i] = j        # the grammar allows none of the head's tokens here: stop guessing
+                if j < limit[i] and not self._head_may_guess(row, logits[i]):
+                    limit[i] = j        # nothing the head could guess here: the row's proposal ends
                 if j < limit[i]:
                     cur[i, 0], more = self._guess(row, head.full_logits(logits[i]), j)
                     out[i][j] = cur[i, 0]
@@ -162,6 +161,22 @@ class DraftRounds:
                 break
         self._rewind_guesses(rows, before)
         return [o[:m] for o, m in zip(out, limit)]
+
+    def _head_may_guess(self, row: Row, logits: np.ndarray) -> bool:
+        """Can the head guess this row's next token: its logits are finite (a head that returns NaN
+        or inf proposes nothing rather than fail the sampler), and the row's grammar allows one of
+        the head's tokens (it proposes from its draft vocabulary only; a grammar that allows none
+        of them, or none at all, ends the proposal here: a row whose grammar is stuck fails in its
+        verify pass, as with any draft, the other rows go on)."""
+        if row.error is not None or not np.isfinite(logits).all():
+            return False
+        g = row.req.grammar
+        if g is None:
+            return True
+        try:
+            return bool(np.isfinite(g.masked(self.head.full_logits(logits), self._masked)).any())
+        except GrammarError:
+            return False
 
     def _feed_draft(self, first_row: int, feeds: list, starts: list[int], graph: str, last: bool = False,
                     pad: int | None = None):

@@ -250,7 +250,10 @@ class BatchEngine(DraftRounds):
 
     @property
     def _head_on(self) -> bool:
-        """A trained draft head drafts (the target's hidden states are kept for it)."""
+        """A trained draft head drafts. The target's hidden states are kept for it whenever the
+        engine has one, whatever the policy (a batch of one switches policies per request), so
+        a row's kept states always cover head_len..length: at most its context's worth
+        (max_context x the tapped width x 4 bytes; 7 MB a row for SmolLM2 at 1024)."""
         return self.head is not None and self.policy.has_draft
 
     def _prefill_chunk(self) -> int:
@@ -274,7 +277,7 @@ class BatchEngine(DraftRounds):
         trace.push("prefill")
         logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions, pad_start=0)
         trace.pop()
-        if self._head_on:          # the prompt's pairs go into the head's cache at its first draft round
+        if self.head is not None:  # the prompt's pairs go into the head's cache at its first draft round
             row.feats.append(self.target.hidden[0, :len(chunk)].copy())
         if self._own_draft:
             # the same chunk into the draft's cache row (its logits are not read: its first
@@ -313,7 +316,7 @@ class BatchEngine(DraftRounds):
         if self._own_draft:
             self.draft.cache.move_row(slot, dst, row.draft_len)
             child.draft_len = row.draft_len
-        if self._head_on:
+        if self.head is not None:
             self.head.move_row(slot, dst, row.head_len)
             child.head_len, child.feats = row.head_len, list(row.feats)
         self._unforked.pop(0)
@@ -372,7 +375,7 @@ class BatchEngine(DraftRounds):
                 self._fail(row, e)
                 continue
             self._logprobs(row, logits[i], list(p[:accepted]) + [nxt])
-            if self._head_on:      # the hidden states of the positions the round keeps, for the head
+            if self.head is not None:  # the hidden states of the positions the round keeps, for the head
                 row.feats.append(self.target.hidden[i, :accepted + 1].copy())
             if choice.kind is RoundKind.DRAFT:
                 # the draft's own cache keeps K/V of seq[:length + 1] and of the proposals it fed
