@@ -22,6 +22,7 @@ import pytest
 
 from specrt.runtime import SamplingParams, SpeculativeGenerator
 from specrt.runtime.batch import engine as engine_mod
+from specrt.runtime.batch import drafting as drafting_mod
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.choice import choose
 from specrt.runtime.sampling import probs_from_logits
@@ -71,8 +72,8 @@ def draft_acceptance(gen, seeds, monkeypatch, seed_of=lambda s: s) -> tuple[floa
     """(share of the verified draft tokens that were kept, the mean of 1 - TV(p, q) between the
     target's and the draft's warped rows at those positions: what Leviathan's rule would keep).
     seed_of: the seed the draft draws with (the request's: coupled).
-    Both are observed where the engine looks them up (engine.py): `choose` there is the draft's
-    draw (_guess; the target's choices go through first_mismatch when a request has no grammar),
+    Both are observed where the engine looks them up: `choose` in batch/drafting.py is the draft's
+    draw (_guess; the target's choices go through engine.py's first_mismatch when a request has no grammar),
     `first_mismatch` every verification (the first token's too, with no proposal)."""
     pending, kept, overlap = [], [], []
     real_mismatch = engine_mod.first_mismatch
@@ -93,7 +94,7 @@ def draft_acceptance(gen, seeds, monkeypatch, seed_of=lambda s: s) -> tuple[floa
         pending.clear()
         return n, y
 
-    monkeypatch.setattr(engine_mod, "choose", draft_choose)
+    monkeypatch.setattr(drafting_mod, "choose", draft_choose)
     monkeypatch.setattr(engine_mod, "first_mismatch", verify)
     for i, seed in enumerate(seeds):
         sampled(gen, PROMPTS[i % len(PROMPTS)], seed, method="speculative", adaptive=False)
