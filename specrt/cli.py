@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from specrt import __version__
-from specrt.cli_text import HelpFormatter, in_flag_words, show_build_defaults
+from specrt.cli_text import HelpFormatter, in_flag_words, quiet_progress_bars as _quiet_progress_bars, \
+    show_build_defaults
 from specrt.errors import ConfigError, SpecrtError
 
 
@@ -84,19 +85,6 @@ def _is_file(value: str) -> bool:
         return Path(value).is_file()
     except (OSError, ValueError):
         return False
-
-
-def _quiet_progress_bars() -> None:
-    """--quiet: no progress bars from the libraries a build runs either (transformers' "Loading
-    weights", the GGUF reader's tqdm, huggingface_hub's downloads). tqdm reads TQDM_DISABLE when
-    it is first imported, so this runs before the build imports anything."""
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:     # the build says what is missing
-        return
-    hf_logging.disable_progress_bar()
 
 
 def _check_output_file(path: str) -> None:

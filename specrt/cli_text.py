@@ -56,3 +56,17 @@ def in_flag_words(message: str, parser: argparse.ArgumentParser) -> str:
         pattern = rf"(?<![\w.-]){re.escape(action.dest)}=('[^']*'|\"[^\"]*\"|[^\s,;:)\]]+)"
         message = re.sub(pattern, lambda m, f=longs[0]: f"{f} {m.group(1).strip(_QUOTES)}", message)
     return message
+
+
+def quiet_progress_bars() -> None:
+    """--quiet: no progress bars from the libraries a build runs either (transformers' "Loading
+    weights", the GGUF reader's tqdm, huggingface_hub's downloads). tqdm reads TQDM_DISABLE when
+    it is first imported, so this runs before the build imports anything."""
+    import os
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:     # the build says what is missing
+        return
+    hf_logging.disable_progress_bar()

@@ -40,8 +40,8 @@ def _positive(text: str) -> float:
 
 def cmd_train_draft(a) -> int:
     if a.quiet:                 # the libraries' bars too (transformers, the GGUF reader), as `build --quiet`
-        from specrt.cli import _quiet_progress_bars
-        _quiet_progress_bars()
+        from specrt.cli_text import quiet_progress_bars
+        quiet_progress_bars()
     from specrt.errors import ConfigError
     from specrt.heads.recipe import Recipe, run
     out = Path(a.out)
