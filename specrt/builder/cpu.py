@@ -165,8 +165,13 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
             from specrt.builder.gates import batch
             build_info["speculation"]["batch_costs_ms"] = batch.costs(tmp, parts["batch"], shapes,
                                                                       draft_part=parts.get("batch_draft"))
-    build_info["seconds"] = round(time.perf_counter() - t_start, 1)
-    manifest_writer.write_manifest(tmp, shapes, parts, tok_info, build_info, proposers=proposers)
+    man = manifest_writer.assemble_manifest(shapes, parts, tok_info, build_info, proposers=proposers)
+    if cfg.measure_costs:     # the kernel families at the shapes the runtime runs (builder/gates/kernels.py)
+        from specrt.builder.gates import kernels
+        bar.set_postfix_str("kernel table")
+        man.build["kernels"] = kernels.measure(tmp, man, progress=bar.set_postfix_str)
+    man.build["seconds"] = round(time.perf_counter() - t_start, 1)
+    manifest_writer.save_manifest(man, tmp)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)

@@ -101,6 +101,28 @@ def _runs(man: mf.Manifest) -> str:
             f"or many: {how}{left}")
 
 
+def kernel_lines(table: dict) -> list[str]:
+    """`specrt inspect`'s rendering: one row per runtime shape, * on the family it runs."""
+    fams = list(table.get("families") or ())
+    out = [f"kernels    weight MatMuls, ms a call (median of {table.get('runs')} interleaved rounds, "
+           f"{table.get('threads')} threads, int8 kernels {table.get('int8_kernels')}), measured by "
+           f"{table.get('measured_by')} at {table.get('at')}; * = the family the folder runs",
+           f"  {'shape':<42} {'rows x T':>9}  " + "".join(f"{f:>9}" for f in fams) + "  graph"]
+    faster = []
+    for sh in table.get("shapes") or []:
+        ms = sh.get("ms") or {}
+        cells = "".join(f"{('*' if f == sh.get('runs') else '') + format(ms[f], '.2f'):>9}" if f in ms else f"{'-':>9}"
+                        for f in fams)
+        out.append(f"  {sh['use']:<42} {str(sh['rows']) + ' x ' + str(sh['tokens']):>9}  {cells}  {sh['graph']}")
+        own, best = ms.get(sh.get("runs")), sh.get("fastest")
+        if own and best and best != sh.get("runs") and ms[best] < 0.9 * own:
+            faster.append(f"{sh['use']} {best} x{ms[best] / own:.2f}")
+    if faster:
+        out.append("  faster here than what runs (another family changes the numbers: a rebuild with its "
+                   "--precision, faithfulness in `specrt quality`): " + "; ".join(faster))
+    return out
+
+
 def describe(man: mf.Manifest) -> str:
     s = man.shapes
     choice = man.build.get("backend") or {}
@@ -113,6 +135,7 @@ def describe(man: mf.Manifest) -> str:
         *(_quality(man.quality) if man.quality else []),
         *(_plan(man.build.get("speculation")) if man.build.get("speculation") else []),
         *(_proposers(man.proposers) if man.proposers else []),
+        *(kernel_lines(man.build["kernels"]) if isinstance(man.build.get("kernels"), dict) else []),
         f"shapes     batch={s.batch} max_context={s.max_context} prefill_chunk={s.prefill_chunk} k={s.k} "
         f"kv_capacity={s.kv_capacity}",
         "tools      " + ", ".join(f"{k} {v}" for k, v in man.tools.items()),

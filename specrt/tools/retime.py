@@ -1,5 +1,6 @@
 """`specrt retime FOLDER`: time a built folder's steps again, on this machine as it is now, and
-write the costs into its manifest (`build.speculation`).
+write the costs into its manifest (`build.speculation`), with the kernel table (`build.kernels`,
+builder/gates/kernels.py).
 
 Speculation is chosen by measured cost: adaptive k on the one-row graphs starts from
 `costs_ms`, and the batched engine's policy (runtime/batch/policy.py) picks plain, pair, lookup
@@ -67,9 +68,12 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     spec["retimed"] = {"by": f"specrt {__version__} retime",
                        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "previous": previous}
-    dataclasses.replace(man, build={**man.build, "speculation": spec}).save(root)
+    from specrt.builder.gates import kernels
+    out("retime: the kernel table (each kernel family at the shapes the runtime runs)")
+    table = kernels.measure(root, man, measured_by=spec["retimed"]["by"])
+    dataclasses.replace(man, build={**man.build, "speculation": spec, "kernels": table}).save(root)
     out(f"retime: {summary(previous)} -> {summary(spec)}")
-    out(f"retime: written to {root / mf.FILENAME} (build.speculation)")
+    out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels)")
     return spec
 
 

@@ -1,5 +1,5 @@
-"""`specrt retime FOLDER`: the step costs that choose speculation are measured again on this
-machine and written into the manifest; nothing else in the folder changes, a damaged or GPU
+"""`specrt retime FOLDER`: the step costs that choose speculation, and the kernel table, are
+measured again on this machine and written into the manifest; nothing else in the folder changes, a damaged or GPU
 folder is refused, and the answers stay the same (the costs choose rounds, never tokens)."""
 from __future__ import annotations
 
@@ -54,8 +54,11 @@ def test_retime_measures_every_cost_again_and_changes_nothing_else(tiny_batch_ro
     assert sp["retimed"]["previous"]["measured_by"] == "specrt build"
     # only the manifest changed, and only its costs
     assert _files(eng) == before_files
-    assert {k: v for k, v in man.build.items() if k != "speculation"} == \
-        {k: v for k, v in before.build.items() if k != "speculation"}
+    assert {k: v for k, v in man.build.items() if k not in ("speculation", "kernels")} == \
+        {k: v for k, v in before.build.items() if k not in ("speculation", "kernels")}
+    # the kernel table measured again too, over the same shapes
+    assert man.build["kernels"]["measured_by"] == sp["retimed"]["by"]
+    assert [r["use"] for r in man.build["kernels"]["shapes"]] == [r["use"] for r in before.build["kernels"]["shapes"]]
     assert man.models == before.models and man.shapes == before.shapes
     assert SpeculativeGenerator(eng).generate("a b a b a b", max_new_tokens=12).tokens == want.tokens
     from specrt.tools.describe import describe

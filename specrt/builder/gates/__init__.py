@@ -5,6 +5,8 @@
 - `measure.py`: a draft's top-1 agreement with its target.
 - `precision.py`: fp16 graphs against their fp32 export (the GPU builds).
 - `plan.py`: each graph's step cost and the predicted speedup of every k (adaptive k).
+- `kernels.py`: the kernel table: each CPU matrix kernel family (fp32, int4, int8, int8row) timed at
+  the shapes the runtime runs, beside the family each shape runs (manifest `build.kernels`).
 - `vocab.py`: the draft's kept vocabulary (`--draft-vocab N`) and its coverage.
 - `ngrams.py`: the target's n-gram table of its own greedy text (pair rounds).
 - `rows.py`: a one-token graph on the multi-row kernels (plain decoding that rounds as the

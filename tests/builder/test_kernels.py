@@ -1,0 +1,115 @@
+"""The kernel table (builder/gates/kernels.py, issue 28): each CPU matrix kernel family timed at
+the shapes the folder's runtime runs, beside the family each shape runs. Timings are recorded,
+never asserted (CI is a busy machine): these tests check what is timed and what is claimed."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt import manifest as mf
+from specrt.builder.config import PRECISIONS
+from specrt.builder.gates import kernels
+from specrt.calibration.quantize import QuantSpec
+from specrt.cli import main
+
+FAMILY_OPS = {"fp32": "MatMul", "int4": "MatMulNBits", "int8": "MatMulNBits", "int8row": "MatMulIntegerToFloat"}
+
+
+def _shape(table, use):
+    [row] = [r for r in table["shapes"] if r["use"] == use]
+    return row
+
+
+def test_the_build_records_which_family_each_runtime_shape_runs(tiny_batch_rows_draft_engines):
+    man = mf.load(tiny_batch_rows_draft_engines)
+    table = man.build["kernels"]
+    assert table["measured_by"] == "specrt build" and set(table["families"]) == set(kernels.FAMILIES)
+    uses = {r["use"]: r for r in table["shapes"]}
+    # fp32 batched target with the int8 self-draft: steps run fp32, the draft's steps int8 MatMulNBits,
+    # prompt chunks the step graph (no second prefill graph)
+    assert uses["decode, 1 request"]["runs"] == "fp32" and uses["decode, 1 request"]["graph"] == "batch/step.onnx"
+    assert uses[f"verify window (k={man.shapes.k}), 1 request"]["tokens"] == man.shapes.k + 1
+    assert uses["decode, 24 requests"]["rows"] == 24
+    assert uses["int8 self-draft, 1 request"]["runs"] == "int8"
+    assert uses["int8 self-draft, 1 request"]["graph"] == "batch/draft.onnx"
+    chunk = uses["prompt chunk"]
+    assert (chunk["tokens"], chunk["logit_rows"], chunk["runs"]) == (man.shapes.prefill_chunk, 1, "fp32")
+    for r in table["shapes"]:
+        assert set(r["ms"]) == set(kernels.FAMILIES) and all(v > 0 for v in r["ms"].values())
+        assert r["fastest"] == min(r["ms"], key=r["ms"].get)
+    # the tiny target's 3 layers: every projection shape counted once a layer, the LM head apart
+    body = {k: v for k, v in table["matmuls"].items() if "LM head" not in k}
+    assert body and all(v == man.target.layers for v in body.values())
+
+
+def test_the_int4_folder_runs_int4_steps_and_rowwise_prompt_chunks(tiny_batch_engines):
+    man = mf.load(tiny_batch_engines)
+    table = kernels.measure(tiny_batch_engines, man, runs=1, warmup=0)
+    assert _shape(table, "decode, 8 requests")["runs"] == "int4"
+    assert _shape(table, "prompt chunk")["runs"] == "int8row"
+    assert _shape(table, "prompt chunk")["graph"] == "batch/prefill.onnx"
+    # the folder's own int4 settings are what the int4 column measures (block 16 here, not the default 32)
+    assert table["families"]["int4"]["block_size"] == 16 != PRECISIONS["int4"]["block_size"]
+    assert not any(r["use"].startswith("int8 self-draft") for r in table["shapes"])      # no draft: not run
+
+
+def test_rows_are_padded_where_the_graph_wants_even_rows(tiny_batch_b64_engines):
+    man = mf.load(tiny_batch_b64_engines)
+    assert man.batch.io.get("row_multiple") == 2
+    rows = {r["use"]: r for r in kernels.runtime_shapes(man)}
+    assert rows["decode, 1 request"]["rows"] == 2           # one request's step runs two rows
+    assert rows["prompt chunk"]["rows"] == 2 and rows["decode, 8 requests"]["rows"] == 8
+
+
+def test_a_one_row_folder_times_its_own_graphs(tiny_int4_engines):
+    man = mf.load(tiny_int4_engines)
+    rows = {r["use"]: r for r in kernels.runtime_shapes(man)}
+    assert rows["decode, 1 request"]["tokens"] == 2          # int8 compute: the two-row decode graph
+    assert rows["decode, 1 request"]["graph"] == man.target.graphs["decode"].file
+    assert rows["draft step"]["graph"] == man.draft.graphs["decode"].file
+    assert rows["prompt chunk"]["graph"] == man.target.graphs["prefill"].file
+    assert kernels.family_of(man.target.source["quantization"]) == "int4"
+    assert kernels.family_of(man.draft.source["quantization"]) == "int8"
+    assert kernels.family_of({"method": "onnxruntime quantize_dynamic"}) == "int8dyn"    # not a timed family
+
+
+def test_the_weight_shapes_read_from_an_int4_graph_are_the_fp32_graphs(tiny_engines, tiny_int4_engines):
+    fp32, int4 = mf.load(tiny_engines), mf.load(tiny_int4_engines)
+    d = fp32.target.dims
+    a = kernels.weight_shapes(tiny_engines / fp32.target.graphs["verify"].file, d["vocab"], d["head_dim"])
+    b = kernels.weight_shapes(tiny_int4_engines / int4.target.graphs["verify"].file, d["vocab"], d["head_dim"])
+    assert a == b and a[1] == d["hidden"]
+    assert all(count == fp32.target.layers for count in a[0].values())
+
+
+@pytest.mark.parametrize("family", kernels.FAMILIES)
+def test_each_family_times_the_product_it_claims(family):
+    """A timed graph that computed nothing (or the fp32 product under another name) would make
+    the table a lie: each family's graph gives x @ W within its quantization error, by its op."""
+    spec = None if family == "fp32" else QuantSpec(**PRECISIONS[family])
+    model = kernels._graph({(64, 48): 1, (96, 64): 1}, copies=2, seed=0)
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    q = kernels._quantized(model, spec)
+    ops = {n.op_type for n in q.graph.node}
+    assert FAMILY_OPS[family] in ops and (family == "fp32" or "MatMul" not in ops)
+    if spec is not None and spec.method == "matmulnbits":
+        bits = {onnx.helper.get_attribute_value(a) for n in q.graph.node if n.op_type == "MatMulNBits"
+                for a in n.attribute if a.name == "bits"}
+        assert bits == {spec.bits}
+    rng = np.random.default_rng(1)
+    x = {"x_64": rng.standard_normal((5, 64), dtype=np.float32), "x_96": rng.standard_normal((5, 96), dtype=np.float32)}
+    [y] = kernels._session(q).run(None, x)
+    want = np.concatenate([x["x_64"] @ weights[f"w_64_48_{j}"][:, :1] for j in range(2)]
+                          + [x["x_96"] @ weights[f"w_96_64_{j}"][:, :1] for j in range(2)], axis=1)
+    tol = {"fp32": 1e-5, "int8": 0.02, "int8row": 0.03, "int4": 0.15}[family] * np.abs(want).max()
+    assert y.shape == want.shape and np.abs(y - want).max() <= tol
+
+
+def test_inspect_shows_the_table_with_the_family_each_shape_runs(tiny_batch_rows_draft_engines, capsys):
+    assert main(["inspect", str(tiny_batch_rows_draft_engines)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels    weight MatMuls" in out
+    [line] = [ln for ln in out.splitlines() if ln.strip().startswith("int8 self-draft, 1 request")]
+    cells = line.split()[-5:-1]                                 # fp32 int4 int8 int8row
+    assert [c.startswith("*") for c in cells] == [False, False, True, False]
