@@ -57,6 +57,37 @@ def test_a_rowwise_matmul_is_the_exact_integer_sum_at_the_extremes_on_this_cpu()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_rowwise_activations_round_half_way_ties_to_even():
+    """The activation quantizer (blocked QuantizeLinear) computes round_half_even(x / s) + 128
+    with s = max|x| / 127 in float32, exactly as the Div-Round-Add-Cast chain it replaced: rows
+    full of exact half-way ties (x / s = j + 0.5), where rounding half up or through a reciprocal
+    would move a whole unit of the integer sum."""
+    rng = np.random.default_rng(3)
+    w = rng.choice([-1.0, 1.0], size=(K, N)).astype(np.float32)
+    inv127 = np.float32(1.0 / 127.0)
+    x = np.zeros((M, K), np.float32)
+    for i, top in enumerate((127.0, 3.0, 0.25, 1e-3)):
+        x[i, 0] = top
+        s = np.float32(np.float32(top) * inv127)
+        j = rng.integers(-120, 120, size=K - 1).astype(np.float32)
+        x[i, 1:] = (j + np.float32(0.5)) * s
+    model = _matmul(w)
+    assert rowwise.quantize_model(model) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "QuantizeLinear" in ops and "Round" not in ops and "Div" not in ops
+    got = _run(model, x)
+    xs = np.maximum(np.abs(x).max(axis=-1, keepdims=True), np.float32(1e-30)) * inv127
+    ratio = x / xs
+    ties = np.abs(ratio - np.floor(ratio) - 0.5) == 0
+    assert ties.sum() > M * (K - 1) // 2          # most of them are exact ties in float32
+    q, s = rowwise.quantize_weight(w)
+    xq = np.rint(ratio)                            # half to even
+    want = (xq.astype(np.int64) @ q.astype(np.int64)) * xs.astype(np.float64) * s.astype(np.float64)
+    up = (np.floor(ratio + 0.5).astype(np.int64) @ q.astype(np.int64)) * xs.astype(np.float64) * s.astype(np.float64)
+    assert np.abs(want - up).max() > 1e-3 * np.abs(want).max()       # the test can tell the two apart
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("method", ["dynamic"])
 def test_quantize_dynamic_weights_stay_in_seven_bits(tmp_path, method):
     w = np.random.default_rng(2).normal(size=(K, N)).astype(np.float32)
