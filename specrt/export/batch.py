@@ -141,7 +141,10 @@ class BatchedDecoder(StaticDecoder):
 
         def rows(m):    # the mask of each query row (graph.py's forward_rows): G*T, or T + 1 when G = 1
             return (m.repeat(1, G, 1) if G > 1 else torch.cat([m, m[:, :1]], dim=1)).unsqueeze(1)
-        attend = {w: rows(causal if w is None else causal & (kv_pos[None, None, :] > (pos - w)[:, :, None]))
+        # the mask as an additive bias, made once per window kind (one Where a call, not one a layer)
+        zero, minus_inf = torch.zeros((), dtype=x.dtype), torch.full((), float("-inf"), dtype=x.dtype)
+        attend = {w: torch.where(rows(causal if w is None else causal & (kv_pos[None, None, :] > (pos - w)[:, :, None])),
+                                 zero, minus_inf)
                   for w in {layer.window for layer in self.layers}}                     # [B, 1, G*T, L]
         tables = {"none": None}
         if self.spec.positions == "rope":
