@@ -88,6 +88,37 @@ def test_rowwise_activations_round_half_way_ties_to_even():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
 
 
+def test_activations_of_one_row_shape_share_one_zero_point_and_keep_their_sums():
+    """Three MatMuls: two over rows of shape [M, .] (one zero point Expanded for both), one over
+    [2M, .] (its own). Every output still equals its exact integer sum times the scales."""
+    rng = np.random.default_rng(4)
+    ws = [rng.normal(size=s).astype(np.float32) for s in ((K, N), (N, N), (K, N))]
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w0"], ["h"], name="a"), helper.make_node("MatMul", ["h", "w1"], ["y0"], name="b"),
+         helper.make_node("Concat", ["x", "x"], ["xx"], axis=0, name="c"),
+         helper.make_node("MatMul", ["xx", "w2"], ["y1"], name="d")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["m", N]),
+         helper.make_tensor_value_info("y0", TensorProto.FLOAT, ["m", N]),
+         helper.make_tensor_value_info("y1", TensorProto.FLOAT, [None, N])],
+        [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    assert rowwise.quantize_model(model) == 3
+    expands = [n for n in model.graph.node if n.op_type == "Expand"]
+    assert len(expands) == 2            # [m, 1] shared by a and b; d's rows ("unk" 2m) make their own
+    x = rng.normal(size=(M, K)).astype(np.float32)
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(2), providers=["CPUExecutionProvider"])
+    h, y0, y1 = sess.run(["h", "y0", "y1"], {"x": x})
+
+    def exact(a, w):
+        q, s = rowwise.quantize_weight(w)
+        xs = np.maximum(np.abs(a).max(axis=-1, keepdims=True), np.float32(1e-30)) * np.float32(1 / 127)
+        return (np.rint(a / xs).astype(np.int64) @ q.astype(np.int64)) * xs.astype(np.float64) * s.astype(np.float64)
+    np.testing.assert_allclose(h, exact(x, ws[0]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(y0, exact(h, ws[1]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(y1, exact(np.concatenate([x, x]), ws[2]), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["dynamic"])
 def test_quantize_dynamic_weights_stay_in_seven_bits(tmp_path, method):
     w = np.random.default_rng(2).normal(size=(K, N)).astype(np.float32)
