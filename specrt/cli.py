@@ -36,6 +36,12 @@ def cmd_build(a) -> int:
                      batch_block_size=a.batch_block_size, hidden_layers=a.hidden_layers or ())
     out = build(cfg, progress=not a.quiet, force=a.force)
     print(f"built {out}  (inspect with: specrt inspect {out})")
+    from specrt import manifest as mf
+    from specrt.tools.describe import kernel_summary
+    table = mf.load(out).build.get("kernels") if (Path(out) / mf.FILENAME).is_file() else None
+    hint = kernel_summary(table) if isinstance(table, dict) else None
+    if hint:
+        print(hint)
     return 0
 
 

@@ -101,6 +101,29 @@ def _runs(man: mf.Manifest) -> str:
             f"or many: {how}{left}")
 
 
+def kernel_faster(table: dict, margin: float = 0.9) -> list[tuple[dict, str, float]]:
+    """(shape, family, its time / the running family's) where a measured family takes less than
+    `margin` of the time of the family the folder runs there."""
+    out = []
+    for sh in table.get("shapes") or []:
+        ms = sh.get("ms") or {}
+        own, best = ms.get(sh.get("runs")), sh.get("fastest")
+        if own and best in ms and best != sh.get("runs") and ms[best] < margin * own:
+            out.append((sh, best, ms[best] / own))
+    return out
+
+
+def kernel_summary(table: dict) -> str | None:
+    """One line for the end of a build: where another kernel family would be faster (None: nowhere)."""
+    faster = kernel_faster(table)
+    if not faster:
+        return None
+    sh, best, ratio = min(faster, key=lambda f: f[2])
+    return (f"kernels: another family is faster at {len(faster)} of {len(table.get('shapes') or [])} of the shapes "
+            f"this folder runs (most: {sh['use']}, {best} x{ratio:.2f}); `specrt inspect` shows the table "
+            "(a family is a --precision: another model, `specrt quality` shows its faithfulness)")
+
+
 def kernel_lines(table: dict) -> list[str]:
     """`specrt inspect`'s rendering: one row per runtime shape, * on the family it runs."""
     fams = list(table.get("families") or ())
@@ -108,15 +131,12 @@ def kernel_lines(table: dict) -> list[str]:
            f"{table.get('threads')} threads, int8 kernels {table.get('int8_kernels')}), measured by "
            f"{table.get('measured_by')} at {table.get('at')}; * = the family the folder runs",
            f"  {'shape':<42} {'rows x T':>9}  " + "".join(f"{f:>9}" for f in fams) + "  graph"]
-    faster = []
     for sh in table.get("shapes") or []:
         ms = sh.get("ms") or {}
         cells = "".join(f"{('*' if f == sh.get('runs') else '') + format(ms[f], '.2f'):>9}" if f in ms else f"{'-':>9}"
                         for f in fams)
         out.append(f"  {sh['use']:<42} {str(sh['rows']) + ' x ' + str(sh['tokens']):>9}  {cells}  {sh['graph']}")
-        own, best = ms.get(sh.get("runs")), sh.get("fastest")
-        if own and best and best != sh.get("runs") and ms[best] < 0.9 * own:
-            faster.append(f"{sh['use']} {best} x{ms[best] / own:.2f}")
+    faster = [f"{sh['use']} {best} x{ratio:.2f}" for sh, best, ratio in kernel_faster(table)]
     if faster:
         out.append("  faster here than what runs (another family changes the numbers: a rebuild with its "
                    "--precision, faithfulness in `specrt quality`): " + "; ".join(faster))

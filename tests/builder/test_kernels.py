@@ -113,3 +113,16 @@ def test_inspect_shows_the_table_with_the_family_each_shape_runs(tiny_batch_rows
     [line] = [ln for ln in out.splitlines() if ln.strip().startswith("int8 self-draft, 1 request")]
     cells = line.split()[-5:-1]                                 # fp32 int4 int8 int8row
     assert [c.startswith("*") for c in cells] == [False, False, True, False]
+
+
+def test_the_summary_names_where_another_family_is_faster():
+    from specrt.tools.describe import kernel_faster, kernel_summary
+    table = {"shapes": [
+        {"use": "decode, 1 request", "runs": "int4", "fastest": "int4", "ms": {"int4": 4.0, "int8row": 4.4}},
+        {"use": "decode, 24 requests", "runs": "int4", "fastest": "int8row", "ms": {"int4": 18.0, "int8row": 9.0}},
+        {"use": "decode, 8 requests", "runs": "int4", "fastest": "int8row", "ms": {"int4": 8.0, "int8row": 7.6}}]}
+    assert [(sh["use"], fam, round(r, 2)) for sh, fam, r in kernel_faster(table)] == [("decode, 24 requests", "int8row", 0.5)]
+    line = kernel_summary(table)
+    assert "1 of 3" in line and "decode, 24 requests, int8row x0.50" in line
+    table["shapes"][1]["ms"]["int8row"] = 17.0                 # within 10%: nothing to say
+    assert kernel_summary(table) is None
