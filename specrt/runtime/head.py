@@ -11,6 +11,8 @@ and its graphs over a cache of rows, for the batched engine (runtime/batch/engin
                each row's T new K/V are written at starts[i] (padding past a row's own pairs
                lands where nothing reads it)
 
+    open_for_batch(...)  the HeadModel and the batch policy that drafts with it, for open_batch(head=)
+
 The head reads the target's own hidden states, so the folder it drafts for must return the
 same layers (`specrt build --batch --hidden-layers ...`): checked when it is opened. What it
 proposes never changes a token: the target verifies every one (runtime/choice.py).
@@ -182,3 +184,24 @@ def _session(path: Path, threads: int, inputs: dict, outputs: dict):
             raise GraphFileError(f"{path}: its {kind}s {got} do not match head.json's config (want {want}): train "
                                  "the head again")
     return sess
+
+
+def open_for_batch(folder, root, man, entry, policy, rows: int, threads: int):
+    """(HeadModel, the policy with the head as its draft): the head's step costs from head.json
+    (measured by `specrt train-draft` beside the folder's target steps), its prior acceptance
+    from the held-out acceptance it recorded."""
+    from specrt.runtime.batch.policy import BatchPolicy
+    hroot, meta = read_head(folder)
+    check_head_for(meta, entry, hroot)
+    if policy.costs is None:
+        raise ConfigError(f"{root}: its batched model runs plain steps only (no window invariance or no measured "
+                          "costs), so a draft head would never run: rebuild it with `specrt build ... --batch`")
+    costs = (meta.get("costs_ms") or {}).get("draft")
+    if not isinstance(costs, dict) or not costs:
+        raise ManifestError(f"{hroot}/head.json has no costs_ms.draft (the head's step time): train it again with "
+                            "`specrt train-draft`")
+    model = HeadModel(hroot, rows=rows, capacity=man.shapes.kv_capacity, vocab=int(entry.dims["vocab"]),
+                      threads=threads)
+    costs = policy.costs.with_draft(costs, f"{hroot}/head.json costs_ms.draft")
+    return model, BatchPolicy(costs, policy.k_max, lookup=policy.lookup, pair_guess=policy.pair_guess, draft=True,
+                              priors={"draft": model.prior()})

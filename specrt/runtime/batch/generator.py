@@ -410,7 +410,8 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     policy, min_tokens = _policy(root, man, entry, speculate and buckets is None)
     draft = trained = None
     if head is not None:
-        trained, policy = _head(head, root, man, entry, policy, max_num_seqs, threads)
+        from specrt.runtime.head import open_for_batch
+        trained, policy = open_for_batch(head, root, man, entry, policy, max_num_seqs, threads)
     elif policy.has_draft and man.batch_draft is not None:
         # a draft model inside the batch, with its own cache: it prefills each prompt beside the
         # target and catches each row up on the tokens its cache lacks (runtime/batch/engine.py)
@@ -516,28 +517,6 @@ def _policy(root, man, entry, speculate: bool):
     priors = {"draft": _draft_prior(own or entry)} if draft else None
     return BatchPolicy(costs, k, lookup=PromptLookup(2, k), pair_guess=Chain([OneGram()] + table), draft=draft,
                        priors=priors), min_tokens
-
-
-def _head(folder, root, man, entry, policy, rows: int, threads: int):
-    """(HeadModel, the policy with the head as its draft): the head's step costs from head.json
-    (measured by `specrt train-draft` beside the folder's target steps), its prior acceptance
-    from the held-out acceptance it recorded."""
-    from specrt.runtime.batch.policy import BatchPolicy
-    from specrt.runtime.head import HeadModel, check_head_for, read_head
-    hroot, meta = read_head(folder)
-    check_head_for(meta, entry, hroot)
-    if policy.costs is None:
-        raise ConfigError(f"{root}: its batched model runs plain steps only (no window invariance or no measured "
-                          "costs), so a draft head would never run: rebuild it with `specrt build ... --batch`")
-    costs = (meta.get("costs_ms") or {}).get("draft")
-    if not isinstance(costs, dict) or not costs:
-        raise ManifestError(f"{hroot}/head.json has no costs_ms.draft (the head's step time): train it again with "
-                            "`specrt train-draft`")
-    model = HeadModel(hroot, rows=rows, capacity=man.shapes.kv_capacity, vocab=int(entry.dims["vocab"]),
-                      threads=threads)
-    costs = policy.costs.with_draft(costs, f"{hroot}/head.json costs_ms.draft")
-    return model, BatchPolicy(costs, policy.k_max, lookup=policy.lookup, pair_guess=policy.pair_guess, draft=True,
-                              priors={"draft": model.prior()})
 
 
 def _draft_prior(entry) -> float:
