@@ -26,6 +26,7 @@ import numpy as np
 
 from specrt.errors import ConfigError, GraphFileError, ManifestError
 from specrt.manifest_files import sha256_file
+from specrt.runtime.kv import lazy_zeros
 
 FORMAT, VERSION = "specrt-eagle-head", 1
 FILES = ("fc", "head", "vocab_map")
@@ -114,7 +115,7 @@ class HeadModel:
                                "new_k": kv, "new_v": kv})
         self.rows, self.capacity = rows, capacity
         shape = (rows, c["kv_heads"], capacity, c["head_dim"])
-        self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.keys, self.values = lazy_zeros(shape, np.float32), lazy_zeros(shape, np.float32)
         self._full = np.full(vocab, -np.inf, np.float32)
         self.acceptance = (self.meta.get("acceptance") or {})
 

@@ -28,6 +28,7 @@ import onnxruntime as ort
 from specrt.errors import BackendError, GraphFileError, ManifestError
 from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
+from specrt.runtime.kv import lazy_zeros
 
 
 ALIASES = ("prefill", "decode", "verify")     # the engine's graph names, served by "step" unless named
@@ -40,8 +41,9 @@ class BatchKV:
     def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, rows: int, dtype=np.float32):
         self.rows, self.capacity, self.dtype = rows, capacity, np.dtype(dtype)
         shape = (rows, kv_heads, capacity, head_dim)
-        self.keys = [np.zeros(shape, dtype) for _ in range(layers)]
-        self.values = [np.zeros(shape, dtype) for _ in range(layers)]
+        # lazy: a row's pages are given as its positions are written (runtime/kv.py lazy_zeros)
+        self.keys = [lazy_zeros(shape, dtype) for _ in range(layers)]
+        self.values = [lazy_zeros(shape, dtype) for _ in range(layers)]
 
     @property
     def nbytes(self) -> int:
