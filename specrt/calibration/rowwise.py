@@ -27,7 +27,8 @@ Why this and not the builds' quantizers (batch invariance, issue 15):
   differently (calibration/rows.py), and its cost grows about linearly with the rows;
 - MLAS's u8 x s8 GEMM runs on AMX tiles where the CPU has them: rows are nearly free
   (benchmarks/batch_kernels.py measures it).
-The cost: 7 small ops per MatMul besides it (a few microseconds each).
+The cost: 5 small ops per MatMul besides it (a few microseconds each), 7 for the first
+activation of each row shape (its zero point's Shape and Expand).
 """
 from __future__ import annotations
 

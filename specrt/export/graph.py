@@ -432,8 +432,10 @@ class _Layer(nn.Module):
         # x: [B, T, C]; past_k/v: [B, KVH, M, D] (present = past with rows past_len[b].. overwritten);
         # pos [B, T]; attention over the first L cache positions; bias: [B, 1, G*T, L], 0 where a
         # query attends and -inf where it does not (T + 1 rows when G = 1), added to the scores:
-        # the same softmax inputs as masking them (s + 0 = s, s - inf = -inf), and an Add costs a
-        # fraction of a broadcast Where (1x64 prompt chunk at 896 positions: Where was 16% of it);
+        # the same softmax inputs as masking them (s + 0 = s, s - inf = -inf for finite s; a +inf
+        # or NaN score, which fp32 CPU graphs do not make, would give NaN where masking gave -inf:
+        # an fp16 variant should clamp first), and an Add costs a fraction of a broadcast Where
+        # (1x64 prompt chunk at 896 positions: Where was 16% of it);
         # rope: (cos_cache, sin_cache [M, R/2], the eager per-row (cos, sin, rot)) or None
         d = self.dims
         B, T, H, KVH, D, G = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group

@@ -32,7 +32,10 @@ def lazy_zeros(shape: tuple, dtype=np.float32) -> np.ndarray:
     # private (copy-on-write): a process forked after this does not share the cache (Python's
     # default anonymous map on Unix is MAP_SHARED)
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
-    a = np.frombuffer(mmap.mmap(-1, n, **private), dtype).reshape(shape)      # the array keeps the map alive
+    m = mmap.mmap(-1, n, **private)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):    # hosts whose transparent huge pages are "always" (not "madvise")
+        m.madvise(mmap.MADV_NOHUGEPAGE)     # would give this map huge pages too, and khugepaged collapse it
+    a = np.frombuffer(m, dtype).reshape(shape)      # the array keeps the map alive
     assert a.flags.writeable and a.flags.c_contiguous
     return a
 

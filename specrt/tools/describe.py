@@ -126,6 +126,8 @@ def kernel_summary(table: dict) -> str | None:
 
 def kernel_lines(table: dict) -> list[str]:
     """`specrt inspect`'s rendering: one row per runtime shape, * on the family it runs."""
+    if "error" in table:
+        return [f"kernels    not measured: {table['error']} (`specrt retime` measures it again)"]
     fams = list(table.get("families") or ())
     out = [f"kernels    weight MatMuls, ms a call (median of {table.get('runs')} interleaved rounds, "
            f"{table.get('threads')} threads, int8 kernels {table.get('int8_kernels')}), measured by "

@@ -37,7 +37,7 @@ def test_the_build_records_which_family_each_runtime_shape_runs(tiny_batch_rows_
     assert (chunk["tokens"], chunk["logit_rows"], chunk["runs"]) == (man.shapes.prefill_chunk, 1, "fp32")
     for r in table["shapes"]:
         assert set(r["ms"]) == set(kernels.FAMILIES) and all(v > 0 for v in r["ms"].values())
-        assert r["fastest"] == min(r["ms"], key=r["ms"].get)
+        assert (r["model"], r["layers"]) == ("batch", man.target.layers)
     # the tiny target's 3 layers: every projection shape counted once a layer, the LM head apart
     body = {k: v for k, v in table["matmuls"].items() if "LM head" not in k}
     assert body and all(v == man.target.layers for v in body.values())
@@ -79,7 +79,7 @@ def test_the_weight_shapes_read_from_an_int4_graph_are_the_fp32_graphs(tiny_engi
     d = fp32.target.dims
     a = kernels.weight_shapes(tiny_engines / fp32.target.graphs["verify"].file, d["vocab"], d["head_dim"])
     b = kernels.weight_shapes(tiny_int4_engines / int4.target.graphs["verify"].file, d["vocab"], d["head_dim"])
-    assert a == b and a[1] == d["hidden"]
+    assert a == b and a[1] == (d["hidden"], d["vocab"])
     assert all(count == fp32.target.layers for count in a[0].values())
 
 
@@ -126,3 +126,59 @@ def test_the_summary_names_where_another_family_is_faster():
     assert "1 of 3" in line and "decode, 24 requests, int8row x0.50" in line
     table["shapes"][1]["ms"]["int8row"] = 17.0                 # within 10%: nothing to say
     assert kernel_summary(table) is None
+
+
+def test_a_separate_draft_is_timed_on_its_own_layers(tiny_engines):
+    """The one-row folder's draft is another model (1 layer against the target's 3): its row is
+    timed on its own graph's weights, not the target's."""
+    man = mf.load(tiny_engines)
+    assert (man.target.layers, man.draft.layers) == (3, 1)
+    table = kernels.measure(tiny_engines, man, runs=1, warmup=0)
+    rows = {r["use"]: r for r in table["shapes"]}
+    assert (rows["draft step"]["model"], rows["draft step"]["layers"]) == ("draft", 1)
+    assert (rows["decode, 1 request"]["model"], rows["decode, 1 request"]["layers"]) == ("target", 3)
+    # what is timed: the draft graph's own projections, scaled to its 1 layer (the target's to 3)
+    parts, plan = kernels._parts(tiny_engines, man, kernels.runtime_shapes(man))
+    for graph, layers in ((man.draft.graphs["decode"].file, 1), (man.target.graphs["decode"].file, 3)):
+        (key, scale, what), _ = plan[graph]
+        mats, copies = parts[key]
+        assert what == "body" and round(scale * copies) == layers
+
+
+def test_a_draft_model_inside_the_batch_has_its_rows(tiny_batch_rows_model_engines):
+    man = mf.load(tiny_batch_rows_model_engines)
+    table = kernels.measure(tiny_batch_rows_model_engines, man, runs=1, warmup=0)
+    rows = {r["use"]: r for r in table["shapes"]}
+    draft = rows["draft model, 8 requests"]
+    assert (draft["model"], draft["layers"], draft["graph"]) == ("batch_draft", 2, man.batch_draft.graphs["step"].file)
+    assert draft["runs"] == "fp32" and rows["decode, 8 requests"]["layers"] == 3
+
+
+def test_large_matrices_are_timed_on_a_slice(monkeypatch, tiny_batch_rows_engines):
+    """A layer or LM head past MAX_PARAMS (a 7B model's [4096, 128256] head is 2 GiB in fp32, over
+    protobuf's limit) is timed on a slice of its columns and scaled, never built whole."""
+    man = mf.load(tiny_batch_rows_engines)
+    monkeypatch.setattr(kernels, "MAX_PARAMS", 2000)
+    parts, plan = kernels._parts(tiny_batch_rows_engines, man, kernels.runtime_shapes(man))
+    for mats, copies in parts.values():
+        assert copies == 1 and sum(k * n * c for (k, n), c in mats.items()) <= 2000 * 2
+    step = plan[man.batch.graphs["step"].file]
+    assert all(scale > 1 for _, scale, _ in step)
+
+
+def test_a_table_that_could_not_be_measured_is_said_so(tiny_batch_rows_draft_engines, tmp_path, monkeypatch, capsys):
+    from specrt.tools.describe import kernel_lines
+    from specrt.tools.retime import retime
+    from tests.bad_input_helpers import copy_engines
+    assert kernel_lines({"error": "ValueError: boom"}) == [
+        "kernels    not measured: ValueError: boom (`specrt retime` measures it again)"]
+    eng = copy_engines(tiny_batch_rows_draft_engines, tmp_path)
+    before = mf.load(eng).build["kernels"]
+
+    def boom(*a, **k):
+        raise RuntimeError("no memory")
+    monkeypatch.setattr(kernels, "measure", boom)
+    spec = retime(eng, out=print)
+    after = mf.load(eng).build
+    assert after["kernels"] == before and after["speculation"]["retimed"]["by"] == spec["retimed"]["by"]
+    assert "could not be measured (RuntimeError: no memory)" in capsys.readouterr().out

@@ -61,10 +61,16 @@ def test_a_forked_process_does_not_share_the_cache():
     a = lazy_zeros((4, 1024))
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:                      # the child writes its copy and exits
-        a[:] = 5
-        os.write(w, b"ok")
-        os._exit(0)
-    os.waitpid(pid, 0)
-    assert os.read(r, 2) == b"ok"
+    if pid == 0:                      # the child writes its copy and exits, whatever happens
+        try:
+            a[:] = 5
+            os.write(w, b"ok")
+        finally:
+            os._exit(0)
+    try:
+        os.waitpid(pid, 0)
+        assert os.read(r, 2) == b"ok"
+    finally:
+        os.close(r)
+        os.close(w)
     assert not a.any()                # the parent's cache is untouched

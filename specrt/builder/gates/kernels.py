@@ -7,11 +7,12 @@ shape runs (manifest `build.kernels`, `specrt inspect`).
 
 What is timed: every weight MatMul of the model (its own [K, N] shapes, read from the graph the
 runtime steps: the fused QKV, O, gate/up and down projections of every layer, and the LM head at
-the rows that need logits), one small graph per shape with random weights, quantized by each
+the rows that need logits; a draft's shapes from its own graph), one small graph per shape with
+random weights, quantized by each
 family as the build quantizes: `fp32` MatMul; `int4` and `int8` MatMulNBits (the folder's own
 block size and accuracy level where it has them; int8 compute = MLAS's VNNI/AMX paths);
-`int8row` MatMulIntegerToFloat with one activation scale per row (calibration/rowwise.py, its 8
-glue ops included). The families are timed in turn, shape after shape (interleaved, so a load
+`int8row` MatMulIntegerToFloat with one activation scale per row (calibration/rowwise.py, its
+quantizer ops included). The families are timed in turn, shape after shape (interleaved, so a load
 change hits them all alike); the median of `runs` rounds, in milliseconds a call summed over the
 model's MatMuls. Attention, norms and the rest of the graph are left out: the table compares the
 kernel families, not whole steps (those are `build.speculation`'s costs).
@@ -72,7 +73,7 @@ def _specs(man: mf.Manifest) -> dict:
 def _quantizations(man: mf.Manifest) -> dict:
     """graph file -> its quantization record, for the graphs the runtime steps."""
     out = {}
-    for role in ("target", "draft", "batch"):
+    for role in ("target", "draft", "batch", "batch_draft"):
         m = man.models.get(role)
         if m is None:
             continue
@@ -92,8 +93,8 @@ def runtime_shapes(man: mf.Manifest) -> list[dict]:
     def add(use, rows, tokens, graph, logit_rows=None):
         if graph is None:
             return
-        mult = int((batch.io or {}).get("row_multiple", 1)) if batch is not None and graph.startswith(
-            str(Path(batch.weights["file"]).parent)) else 1
+        mult = int((batch.io or {}).get("row_multiple", 1)) if batch is not None and \
+            Path(graph).parent == Path(batch.weights["file"]).parent else 1
         rows = -(-rows // mult) * mult
         out.append({"use": use, "rows": rows, "tokens": tokens, "graph": graph,
                     "logit_rows": rows * tokens if logit_rows is None else logit_rows})
@@ -110,6 +111,10 @@ def runtime_shapes(man: mf.Manifest) -> list[dict]:
             add(f"verify windows, {n} requests", n, s.k + 1, step)
         add("int8 self-draft, 1 request", 1, 1, draft)
         add("int8 self-draft, 8 requests", 8, 1, draft)
+        bd = man.models.get("batch_draft")
+        if bd is not None:          # a draft model inside the batch, its own graph and cache
+            add("draft model, 1 request", 1, 1, bd.graphs["step"].file)
+            add("draft model, 8 requests", 8, 1, bd.graphs["step"].file)
     else:
         t = man.target.graphs
         add("decode, 1 request", 1, t["decode"].tokens, t["decode"].file)
@@ -124,13 +129,14 @@ def runtime_shapes(man: mf.Manifest) -> list[dict]:
     return out
 
 
-def weight_shapes(graph: Path, vocab: int, head_dim: int) -> tuple[dict, int]:
-    """({(K, N): count} of the weight MatMuls but the LM head, hidden) of a graph, read without its
-    weights: MatMul with a 2-D initializer B, MatMulNBits (K, N attributes), MatMulIntegerToFloat."""
+def weight_shapes(graph: Path, vocab: int, head_dim: int) -> tuple[dict, tuple[int, int]]:
+    """({(K, N): count} of the weight MatMuls but the LM head, the LM head's (K, N)) of a graph,
+    read without its weights: MatMul with a 2-D initializer B, MatMulNBits (K, N attributes),
+    MatMulIntegerToFloat. The LM head is the [hidden, vocab] one, or the graph's last weight
+    MatMul where a draft's vocabulary was cut (`--draft-vocab`)."""
     model = onnx.load(str(graph), load_external_data=False)
     inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
-    counts: dict = {}
-    hidden = None
+    found: list = []
     for n in model.graph.node:
         kn = None
         if n.op_type == "MatMulNBits":
@@ -140,13 +146,16 @@ def weight_shapes(graph: Path, vocab: int, head_dim: int) -> tuple[dict, int]:
             kn = tuple(int(d) for d in inits[n.input[1]])
         if kn is None or (n.op_type == "MatMul" and kn == (head_dim, head_dim)):
             continue            # not a weight, or the rotary rotate-half permutation (it stays fp32)
-        if kn[1] == vocab:
-            hidden = kn[0]
-            continue
-        counts[kn] = counts.get(kn, 0) + 1
-    if hidden is None or not counts:
-        raise ValueError(f"{graph}: no LM head ([hidden, {vocab}]) or no weight MatMuls found")
-    return counts, hidden
+        found.append(kn)
+    heads = [kn for kn in found if kn[1] == vocab]
+    head = heads[-1] if heads else (found[-1] if found else None)
+    counts: dict = {}
+    for kn in found:
+        if kn != head:
+            counts[kn] = counts.get(kn, 0) + 1
+    if head is None or not counts:
+        raise ValueError(f"{graph}: no LM head or no weight MatMuls found")
+    return counts, head
 
 
 MAX_PARAMS = 64 * 2**20     # the timed body's weights: as many layers as fit (scaled to all of them)
@@ -198,6 +207,38 @@ def _session(model: onnx.ModelProto, threads: int | None = None):
     return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
 
 
+def _model_of(man: mf.Manifest, graph: str):
+    """The model entry whose graphs include this file."""
+    for m in man.models.values():
+        if any(e.file == graph for e in m.graphs.values()):
+            return m
+    raise ValueError(f"{graph}: no model of the manifest has this graph")
+
+
+def _parts(root: Path, man: mf.Manifest, shapes: list[dict]) -> tuple[dict, dict]:
+    """(part key -> (mats {(K, N): count}, copies), graph -> [(part key, time scale)]): each graph
+    timed on its own model's weight shapes (a truncated or separate draft has its own), one
+    layer's projections `copies` times (as many layers as fit in MAX_PARAMS; the time scaled to
+    all layers), the LM head apart (its time scaled when only a slice of its columns fits)."""
+    parts: dict = {}
+    plan: dict = {}
+    for graph in dict.fromkeys(sh["graph"] for sh in shapes):
+        m = _model_of(man, graph)
+        vocab, layers = int(m.dims["vocab"]), m.layers
+        body, (hidden, head_n) = weight_shapes(root / graph, vocab, int(m.dims["head_dim"]))
+        per_layer = {kn: max(1, c // layers) for kn, c in body.items()}
+        params = sum(k * n * c for (k, n), c in per_layer.items())
+        shrink = min(1.0, MAX_PARAMS / params)          # a layer larger than MAX_PARAMS: a slice of every N
+        mats = {(k, max(1, round(n * shrink))): c for (k, n), c in per_layer.items()}
+        copies = max(1, min(layers, int(MAX_PARAMS // sum(k * n * c for (k, n), c in mats.items()))))
+        cols = min(head_n, max(1, MAX_PARAMS // hidden))
+        body_key, head_key = ("body", tuple(sorted(mats.items())), copies), ("head", ((hidden, cols), 1), 1)
+        parts[body_key] = (mats, copies)
+        parts[head_key] = ({(hidden, cols): 1}, 1)
+        plan[graph] = [(body_key, layers / copies / shrink, "body"), (head_key, head_n / cols, "head")]
+    return parts, plan
+
+
 def measure(root: Path, man: mf.Manifest, *, runs: int = RUNS, warmup: int = WARMUP, threads: int | None = None,
             measured_by: str = "specrt build", progress=None) -> dict:
     """The kernel table of the folder at root (manifest `build.kernels`)."""
@@ -205,26 +246,18 @@ def measure(root: Path, man: mf.Manifest, *, runs: int = RUNS, warmup: int = WAR
     from specrt.runtime.backends.ort_cpu import pool_threads
     threads = threads or pool_threads() or int((man.build.get("config") or {}).get("threads") or 2)
     shapes = runtime_shapes(man)
-    first = man.models.get("batch") or man.target
-    step_graph = first.graphs["step" if "step" in first.graphs else "decode"].file
-    vocab = int(first.dims["vocab"])
-    body, hidden = weight_shapes(root / step_graph, vocab, int(first.dims["head_dim"]))
     specs = _specs(man)
-    per_layer = sum(k * n * c for (k, n), c in body.items()) / first.layers
-    copies = max(1, min(first.layers, int(MAX_PARAMS // per_layer)))      # layers' worth of weights timed
-    scale = first.layers / copies
-    parts = {"body": ({kn: max(1, c // first.layers) for kn, c in body.items()}, copies, scale),
-             "head": ({(hidden, vocab): 1}, 1, 1.0)}
+    parts, plan = _parts(root, man, shapes)
     sessions = {}
     for fam, spec in specs.items():
         if progress:
             progress(f"kernel table: {fam}")
-        for part, (mats, cps, _) in parts.items():
-            sessions[fam, part] = _session(_quantized(_graph(mats, cps, seed=len(part)), spec), threads)
+        for seed, (key, (mats, cps)) in enumerate(parts.items()):
+            sessions[fam, key] = _session(_quantized(_graph(mats, cps, seed=seed), spec), threads)
     xs: dict = {}
 
-    def inputs(part, rows):
-        ks = sorted({k for k, _ in parts[part][0]})
+    def inputs(key, rows):
+        ks = sorted({k for k, _ in parts[key][0]})
         for k in ks:
             if (rows, k) not in xs:
                 xs[rows, k] = np.random.default_rng(rows * 7 + k).standard_normal((rows, k), dtype=np.float32)
@@ -233,29 +266,37 @@ def measure(root: Path, man: mf.Manifest, *, runs: int = RUNS, warmup: int = WAR
     times: dict = {}
     for r in range(warmup + runs):
         for si, sh in enumerate(shapes):
-            feeds = {"body": inputs("body", sh["rows"] * sh["tokens"]), "head": inputs("head", sh["logit_rows"])}
             for fam in specs:
                 total = 0.0
-                for part, (_, _, sc) in parts.items():
+                for key, scale, what in plan[sh["graph"]]:
+                    feeds = inputs(key, sh["rows"] * sh["tokens"] if what == "body" else sh["logit_rows"])
                     t0 = time.perf_counter()
-                    sessions[fam, part].run(None, feeds[part])
-                    total += (time.perf_counter() - t0) * sc
+                    sessions[fam, key].run(None, feeds)
+                    total += (time.perf_counter() - t0) * scale
                 if r >= warmup:
                     times.setdefault((si, fam), []).append(total)
     quant = _quantizations(man)
     rows_out = []
     for si, sh in enumerate(shapes):
         ms = {fam: round(statistics.median(times[si, fam]) * 1e3, 3) for fam in specs}
-        runs_fam = family_of(quant.get(sh["graph"]))
-        rows_out.append({**sh, "runs": runs_fam, "ms": ms, "fastest": min(ms, key=ms.get)})
+        m = _model_of(man, sh["graph"])
+        rows_out.append({**sh, "runs": family_of(quant.get(sh["graph"])), "ms": ms, "fastest": min(ms, key=ms.get),
+                         "model": m.role, "layers": m.layers})
+    first = man.models.get("batch") or man.target
+    body, (hidden, head_n) = weight_shapes(root / first.graphs["step" if "step" in first.graphs else "decode"].file,
+                                           int(first.dims["vocab"]), int(first.dims["head_dim"]))
     return {"measured_by": measured_by,
             "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "threads": threads, "int8_kernels": int8_kernels(), "runs": runs,
-            "what": ("milliseconds a call of every weight MatMul of the model (each layer's projections at rows x "
-                     "tokens activation rows, the LM head at the rows that need logits), random weights of the "
-                     "model's shapes quantized as each family's build does; attention and the rest left out"),
-            "matmuls": {**{f"{k}x{n}": c for (k, n), c in sorted(body.items())}, f"{hidden}x{vocab} (LM head)": 1},
-            "layers_timed": copies,
+            "what": ("milliseconds a call of every weight MatMul of the model that runs the shape (each layer's "
+                     "projections at rows x tokens activation rows, the LM head at the rows that need logits), "
+                     "random weights of its shapes quantized as each family's build does (as many layers as fit "
+                     "in 64M parameters, scaled to all; larger matrices timed on a slice of their columns, "
+                     "scaled); attention and the rest left out"),
+            "matmuls": {**{f"{k}x{n}": c for (k, n), c in sorted(body.items())},
+                        f"{hidden}x{head_n} (LM head)": 1},
+            "layers_timed": {key[0] + (f" {sum(c for _, c in key[1])} matrices" if key[0] == "body" else ""): cps
+                             for key, (_, cps) in parts.items()},
             "families": {fam: (spec.describe() if spec is not None else {"method": "MatMul fp32"})
                          for fam, spec in specs.items()},
             "shapes": rows_out}
