@@ -371,14 +371,20 @@ def test_finalize_ends_running_and_waiting_requests_with_one_final_each(batched)
 def test_a_request_cancelled_while_it_waits_for_a_row_ends_before_it_gets_one(batched, alone):
     """One row, a long request on it; a second request waits, and its client cancels. The
     engine asks is_cancelled() at every step, so the waiting one ends with one FINAL CANCELLED
-    without ever being prefilled (before, it was noticed only on its first token)."""
+    without ever being prefilled (before, it was noticed only on its first token).
+
+    The running request is held on its first send until both are submitted: on a busy machine
+    the test's thread could otherwise be descheduled between the two submits while the engine
+    answered all 40 tokens, and the second would get the free row (CI failed that way once)."""
     model = batched(max_num_seqs=1)
     eng = model.batch.engine
     chunks = eng.stats.prefill_chunks
-    running = fake_triton.Request(text_input=np.array([b"Once upon a time"], dtype=object),
+    gate = threading.Event()
+    running = fake_triton.Request(gate=gate, text_input=np.array([b"Once upon a time"], dtype=object),
                                   max_tokens=np.array([40], np.int32))
-    waiting = greedy(PROMPTS[0], cancel_after=1)       # execute's own check passes; the engine's first poll cancels
-    model.execute([running, waiting])
+    waiting = greedy(PROMPTS[0], cancel_after=1)       # the engine's first poll passes, its second cancels
+    execute_returns(model, [running, waiting])
+    gate.set()                                          # both queued: the running one holds the only row
     message, code = error_of(waiting)
     assert code == fake_triton.TritonError.CANCELLED and "by the client" in message
     assert len(waiting.sender.sent) == 1               # no text: it never ran
