@@ -308,14 +308,39 @@ def test_cli_generate_on_engines_without_a_draft_decodes_plainly_and_the_api_nam
     assert "method='plain'" in msg and "--draft" in msg
 
 
+# `specrt generate` whose stream stops after its first piece of text until a line arrives on stdin:
+# the whole answer would fit in the pipe's buffer, so without the hold a child that ran ahead of the
+# test would finish before the pipe closed and never meet it
+_HELD_CLI = """
+import sys
+from specrt import cli
+from specrt.runtime import SpeculativeGenerator
+stream = SpeculativeGenerator.stream
+
+def held(self, *a, **kw):
+    pieces = stream(self, *a, **kw)
+    for chunk in pieces:
+        yield chunk
+        if chunk.text:
+            break
+    sys.stdin.readline()
+    yield from pieces
+
+SpeculativeGenerator.stream = held
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
 def test_cli_generate_into_a_closed_pipe_exits_quietly(tiny_engines):
-    exe = Path(sys.executable).parent / "specrt"
-    p = subprocess.Popen([str(exe), "generate", str(tiny_engines), "tell me a long story", "--max-new-tokens", "80",
-                          "--raw"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-c", _HELD_CLI, "generate", str(tiny_engines), "tell me a long story",
+                          "--max-new-tokens", "80", "--raw"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.read(1)
     p.stdout.close()                      # like `| head -c 1`
+    p.stdin.write(b"go on\n")             # the rest of the answer goes into the closed pipe
+    p.stdin.close()
     err = p.stderr.read().decode()
-    p.wait(120)
+    assert p.wait(120) == 1, err          # it met the closed pipe (main's BrokenPipeError)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 

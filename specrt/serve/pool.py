@@ -262,6 +262,12 @@ class EnginePool:
 
         def sink(ev) -> None:
             final = not isinstance(ev, Delta)
+            try:
+                # counted before its row is free: whoever sees the row free (/health) sees its tokens
+                if isinstance(ev, Done) and self.on_generation is not None:
+                    self.on_generation(len(r.prompt_ids), tokens[0], ev.metrics.drafted, ev.metrics.accepted)
+            except Exception:
+                log.exception("counting a request's tokens failed")
             if final:
                 with self._rows:        # its row is free for the next job from the next step
                     info.busy -= 1
@@ -270,8 +276,6 @@ class EnginePool:
                     tokens[0] += len(ev.tokens)
                     job.push(index, ev)
                 elif isinstance(ev, Done):
-                    if self.on_generation is not None:
-                        self.on_generation(len(r.prompt_ids), tokens[0], ev.metrics.drafted, ev.metrics.accepted)
                     if ev.finish_reason not in ("cancelled", "timeout"):   # else nobody waits for it
                         job.push(index, dataclasses.replace(ev, completion_tokens=tokens[0]))
                 else:

@@ -42,18 +42,21 @@ class InferenceResponse:
 
 
 class Sender:
-    """gate: send waits until it is set (holds the engine thread); fail: send raises, as Triton's
-    does when the client is gone."""
+    """gate: send waits until it is set (holds the engine thread); `held` is set once a send
+    waits for it. fail: send raises, as Triton's does when the client is gone."""
 
     def __init__(self, gate: threading.Event | None = None, fail: bool = False):
         self.sent: list[tuple[InferenceResponse, int]] = []
         self.gate, self.fail = gate, fail
+        self.held = threading.Event()
         self.threads: set[str] = set()     # names of the threads that sent
         self._final = threading.Event()
         self._lock = threading.Lock()
 
     def send(self, response=None, flags: int = 0):
         if self.gate is not None:
+            if not self.gate.is_set():
+                self.held.set()
             assert self.gate.wait(60), "the test never opened the gate"
         if self.fail:
             raise RuntimeError("the stand-in sender fails on purpose")

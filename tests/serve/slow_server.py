@@ -1,7 +1,7 @@
-"""`python slow_server.py ENGINES`: `specrt.serve.serve` on a free port with every token
-delayed by 20 ms, so that a stream is surely in flight when the test sends SIGTERM."""
+"""`python slow_server.py ENGINES`: `specrt.serve.serve` on a free port whose streams stop after
+their first two pieces of text until a line arrives on stdin, so that a stream is surely in flight
+when the test sends SIGTERM (the test sends the line once it has seen the server stop listening)."""
 import sys
-import time
 
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.request import Delta
@@ -10,14 +10,18 @@ from specrt.serve.server import ServeConfig, serve
 from serve_helpers import wrap_sinks
 
 
-def slow(sink):
-    def slowed(ev):
-        if isinstance(ev, Delta):
-            time.sleep(0.02 * len(ev.tokens))
+def held(sink):
+    pieces = [0]
+
+    def held_sink(ev):
+        if isinstance(ev, Delta) and ev.text:
+            if pieces[0] == 2:
+                sys.stdin.readline()
+            pieces[0] += 1
         sink(ev)
-    return slowed
+    return held_sink
 
 
 if __name__ == "__main__":
     sys.exit(serve(ServeConfig(sys.argv[1], port=0, timeout=60),
-                   factory=lambda engines, **kw: wrap_sinks(open_batch(engines, **kw), slow)))
+                   factory=lambda engines, **kw: wrap_sinks(open_batch(engines, **kw), held)))

@@ -134,7 +134,7 @@ def test_tokenizing_a_prompt_runs_off_the_event_loop(live, monkeypatch):
     t.start()
     try:
         assert started.wait(WAIT_S)
-        health = httpx.get(live.url + "/health", timeout=10)     # blocked for good if encode ran on the loop
+        health = httpx.get(live.url + "/health", timeout=WAIT_S)     # blocked for good if encode ran on the loop
         assert health.status_code == 200 and not release.is_set()
     finally:
         release.set()
@@ -166,7 +166,7 @@ def test_a_prompt_too_large_to_fit_is_refused_by_size_without_tokenizing(live, m
 def guarded(tiny_self_engines):
     server = LiveServer(tiny_self_engines, workers=1, api_key="s3cret-key", cors_origins=("http://app.example",),
                         allowed_hosts=("api.example", "*.corp.example"), max_body_bytes=4096, read_timeout=1.0,
-                        keep_alive=1, max_connections=6)
+                        keep_alive=1)
     yield server
     server.close()
 
@@ -242,64 +242,69 @@ def test_a_chunked_body_sent_in_many_small_pieces_is_limited_by_its_total(guarde
     assert r.status_code == 200 and r.request.headers["transfer-encoding"] == "chunked", r.text
 
 
-def test_a_client_that_trickles_its_headers_is_disconnected(guarded):
-    host, port = guarded.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=8) as s:     # the default read timeout is 15 s
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+def _trickled_until_closed(s: socket.socket, line: bytes) -> bool:
+    """Send `line` every 0.3 s until the server closes the connection (True), for at most WAIT_S
+    (False): a server whose read timer restarted at each byte would never close it."""
+    s.settimeout(0.3)
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
         try:
-            for _ in range(3):
-                time.sleep(0.4)
-                s.sendall(b"X-Slow: 1\r\n")
-            assert s.recv(1024) == b""      # closed by the server (read timeout 1 s), not by the socket timeout
-        except (ConnectionResetError, BrokenPipeError):
-            pass                            # closed by the server while we were still sending (a late
-                                            # send on a busy machine meets the closed socket: EPIPE)
+            s.sendall(line)
+            if s.recv(1024) == b"":         # the pause between two lines, which also sees the close
+                return True
+        except socket.timeout:
+            pass
+        except OSError:                     # reset, or a send that met the closed socket (EPIPE)
+            return True
+    return False
+
+
+def test_a_client_that_trickles_its_headers_is_disconnected(guarded):
+    # the configured 1 s, not the default 15 s (the trickle below is bounded by WAIT_S only, so that
+    # a busy machine cannot fail it)
+    assert guarded.server.config.http.read_timeout == 1.0
+    host, port = guarded.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert _trickled_until_closed(s, b"X-Slow: 1\r\n"), "a client trickling its headers kept the connection"
 
 
 def test_a_trickled_second_request_on_a_kept_alive_connection_is_disconnected(guarded):
     host, port = guarded.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=8) as s:
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         s.sendall(b"GET /health HTTP/1.1\r\n")       # each byte resets uvicorn's keep-alive timer
-        closed = False
-        try:
-            for _ in range(20):                        # 6 s of trickling; the read timeout is 1 s
-                time.sleep(0.3)
-                s.sendall(b"X: 1\r\n")
-        except OSError:
-            closed = True
-        if not closed:
-            s.settimeout(0.5)
-            try:
-                closed = s.recv(1024) == b""
-            except ConnectionResetError:
-                closed = True
-            except socket.timeout:
-                closed = False
-        assert closed, "a client trickling its second request kept the connection"
+        assert _trickled_until_closed(s, b"X: 1\r\n"), "a client trickling its second request kept the connection"
 
 
 def test_an_idle_keep_alive_connection_is_closed(guarded):
+    assert guarded.server.config.timeout_keep_alive == 1       # the configured 1 s, not the default 5 s
     host, port = guarded.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=3.5) as s:    # the default keep-alive is 5 s
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         first = s.recv(65536)
         assert first.startswith(b"HTTP/1.1 200")
-        while (chunk := s.recv(65536)):     # the rest of the response, then the close
+        while s.recv(65536):                # the rest of the response, then the close
             pass
 
 
-def test_connections_beyond_the_limit_get_503(guarded):
-    host, port = guarded.url.removeprefix("http://").split(":")
-    idle = [socket.create_connection((host, int(port)), timeout=WAIT_S) for _ in range(6)]
+def test_connections_beyond_the_limit_get_503(tiny_self_engines):
+    # a read timeout that cannot close the idle connections while the test looks
+    server = LiveServer(tiny_self_engines, workers=1, read_timeout=WAIT_S, max_connections=6)
     try:
-        # the server counts a connection once its event loop has accepted it: on a busy machine that
-        # may take longer than any fixed pause, so wait for the refusal (it never comes if the limit
-        # is not enforced)
-        wait_for(lambda: httpx.get(guarded.url + "/health", timeout=WAIT_S).status_code == 503,
-                 "the connection limit to refuse the 7th connection")
+        with httpx.Client(timeout=WAIT_S) as client:    # made first: nothing slow once the idle ones are open
+            host, port = server.url.removeprefix("http://").split(":")
+            idle = [socket.create_connection((host, int(port)), timeout=WAIT_S) for _ in range(6)]
+            try:
+                # the server counts a connection once its event loop has accepted it: on a busy machine
+                # that may take longer than any fixed pause, so wait for the refusal (it never comes if
+                # the limit is not enforced)
+                wait_for(lambda: client.get(server.url + "/health").status_code == 503,
+                         "the connection limit to refuse the 7th connection")
+            finally:
+                for s in idle:
+                    s.close()
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200, "the slots to free")
     finally:
-        for s in idle:
-            s.close()
-    wait_for(lambda: httpx.get(guarded.url + "/health", timeout=WAIT_S).status_code == 200, "the slots to free")
+        server.close()

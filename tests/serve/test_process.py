@@ -12,14 +12,23 @@ from pathlib import Path
 
 import httpx
 
-from .serve_helpers import WAIT_S
+from .serve_helpers import WAIT_S, wait_for
 
 HERE = Path(__file__).parent
 
 
+def _refused(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=WAIT_S).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
 def test_sigterm_drains_the_stream_in_flight_then_exits_zero(tiny_self_engines, reference):
     proc = subprocess.Popen([sys.executable, str(HERE / "slow_server.py"), str(tiny_self_engines)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = re.search(r"on (http://\S+)/v1", proc.stdout.readline()).group(1)
         body = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "stream": True}
@@ -32,8 +41,13 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_zero(tiny_self_engines, 
                 if line != "data: [DONE]":
                     text += json.loads(line[6:])["choices"][0]["text"]
                 if len(events) == 2:
-                    proc.send_signal(signal.SIGTERM)   # two tokens in, 28 to go (>= 0.5 s)
+                    # two pieces in; the server holds the rest of the stream until the line below
+                    proc.send_signal(signal.SIGTERM)
+                    wait_for(lambda: _refused(url), "the server to stop listening")
+                    proc.stdin.write("go on\n")
+                    proc.stdin.flush()
         assert events[-1] == "data: [DONE]"
+        assert len(events) > 3, "no piece came after SIGTERM: the stream was over, not drained"
         assert text == reference.generate("Once upon a time", max_new_tokens=30).text
         assert proc.wait(WAIT_S) == 0
         out = proc.stdout.read()

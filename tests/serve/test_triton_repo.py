@@ -356,6 +356,8 @@ def test_finalize_ends_running_and_waiting_requests_with_one_final_each(batched)
     reqs = [greedy(p, gate=gate) for p in PROMPTS[:2]]      # one runs (held on its first send), one waits
     execute_returns(model, reqs)
     eng = model.batch.engine
+    # the engine thread waits in the first one's send: it holds its row, none is on its way to one
+    assert reqs[0].sender.held.wait(WAIT_S)
     wait_for(lambda: len(eng.waiting) == 1, "the second request to wait for the row")
     closing = threading.Thread(target=model.finalize)
     closing.start()
