@@ -95,6 +95,7 @@ class BatchEngine(DraftRounds):
                                            or prefill_budget < 1):
             raise ValueError(f"prefill_budget={prefill_budget!r} must be a positive number of tokens")
         self.prefill_budget = prefill_budget
+        self.closing = False        # set by the owner's close(): every request held is cancelled at the next step
         self.tokenizer, self.clock, self.min_tokens = tokenizer, clock, min_tokens
         self.eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset(eos)
         self.rows: list[Row] = []           # running, in cache rows 0..n-1
@@ -204,6 +205,8 @@ class BatchEngine(DraftRounds):
         now = self.clock()
 
         def why(req: Request) -> str | None:
+            if self.closing:        # whatever state it is in (waiting, being admitted, prefilled, running)
+                req.cancel()
             if req.cancelled.is_set():
                 return "cancelled"
             if req.poll_cancel is not None:

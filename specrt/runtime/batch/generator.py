@@ -270,6 +270,11 @@ class BatchGenerator:
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop: running and waiting requests are cancelled (Done "cancelled"), the thread joins."""
         self._closed = True
+        # the engine thread cancels every request it holds at its next step, in whatever state
+        # (one on its way from `waiting` to its row is in neither list for a moment, engine.py
+        # _admit); the ones seen here are cancelled now, so a step blocked in a sink leaves them
+        # cancelled already
+        self.engine.closing = True
         for r in list(self.engine.rows) + ([self.engine.pending] if self.engine.pending else []):
             r.req.cancel()
         for req in list(self.engine.waiting):
