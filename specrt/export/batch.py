@@ -6,7 +6,8 @@ T static or the symbolic dim "tokens"):
     inputs   input_ids  [B, T] int64
              past_len   [B]    int64      tokens already in row b's cache
              logit_pos  [B, P] int64      which of row b's T positions get logits (P symbolic)
-             past_k_{i} [B, KVH, M, D]    M = kv capacity; row b is sequence b's cache
+             past_k_{i} [B, KVH, M, D]    M = kv capacity ("rows": symbolic, the positions bound);
+                                          row b is sequence b's cache
              past_v_{i} [B, KVH, M, D]
     outputs  logits     [B, P, V]  float32    logits[b, p] = the logits at position logit_pos[b, p]
              hidden_states [B, T, n*C] float32       with hidden_layers: those layers' outputs, every position
@@ -32,6 +33,11 @@ Per variant, what carries the rows' lengths:
 - "standard": TensorScatter's write_indices = past_len [B] (row b's new K/V at its own
   offset) and an Attention mask [B, 1, T, M]: j <= past_len[b] + t.
 - "portable": a cache mask [B, 1, 1, M]: j < past_len[b], and the causal mask of the window.
+- "rows": M is symbolic ("kv_len"): the graph attends to every cache position it is given
+  (masked per row, j <= past_len[b] + t), and the runtime binds a cache of just the positions
+  its rows use, rounded up to a block (runtime/backends/ort_batch.py BatchKV grows and shrinks
+  it), so no call copies a prefix of a larger cache (ONNX Runtime has no strided views: a
+  `Slice` of present[:, :, :L] copied L positions of every row, K and V, in every layer).
 
 Sliding-window layers (Gemma 2/3, Mistral with a window shorter than the cache): "gqa"
 through GroupQueryAttention's local_window_size (graph.py's layers, unchanged), "standard"
@@ -79,23 +85,22 @@ class BatchedDecoder(StaticDecoder):
         T = TRACE_TOKENS if self.T == DYNAMIC else self.T
         return (torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                 torch.zeros(B, TRACE_POSITIONS, dtype=torch.int64),
-                *([torch.arange(TRACE_KV, dtype=torch.int64)] if self.attention == "rows" else []),
-                *[torch.zeros(B, d.kv_heads, self.M, d.head_dim, dtype=self.dtype) for _ in range(2 * d.layers)])
+                *[torch.zeros(B, d.kv_heads, TRACE_KV if self.attention == "rows" else self.M, d.head_dim,
+                              dtype=self.dtype) for _ in range(2 * d.layers)])
 
     def dynamic_shapes(self) -> tuple:
         """input_ids {0: batch, 1: tokens}, past_len {0: batch}, logit_pos {0: batch, 1:
-        positions}, caches {0: batch}: named dims, so the ONNX graph's inputs and outputs read
-        [batch, tokens] / [batch, 3, M, 64]. P is symbolic even in a static bucket."""
+        positions}, caches {0: batch} ("rows": {0: batch, 2: kv_len}): named dims, so the ONNX
+        graph's inputs and outputs read [batch, tokens] / [batch, 3, M, 64]. P is symbolic even
+        in a static bucket."""
         b = {0: BATCH_DIM} if self.B == DYNAMIC else {}
         t = {1: TOKENS_DIM} if self.T == DYNAMIC else {}
+        kv = {**b, 2: KV_DIM} if self.attention == "rows" else dict(b)
         # structured as forward's parameters: input_ids, past_len, logit_pos, then *past as one tuple
-        kv = ({0: KV_DIM},) if self.attention == "rows" else ()
-        return ({**b, **t}, dict(b), {**b, 1: POSITIONS_DIM},
-                (*kv, *(dict(b) for _ in range(2 * self.dims.layers))))
+        return ({**b, **t}, dict(b), {**b, 1: POSITIONS_DIM}, tuple(dict(kv) for _ in range(2 * self.dims.layers)))
 
     def forward(self, input_ids, past_len, logit_pos, *past):
         # input_ids: [B, T]; past_len: [B]; logit_pos: [B, P]; past: 2*L tensors [B, KVH, M, D]
-        # ("rows": kv_pos [L] first, then the caches)
         B, T = input_ids.shape
         self._positions = logit_pos
         pos = past_len[:, None] + torch.arange(T)[None, :]                    # [B, T]
@@ -104,8 +109,7 @@ class BatchedDecoder(StaticDecoder):
             return self._rows_gqa(x, past_len, T, past)
         ropes = self._ropes_rows(pos)
         if self.attention == "rows":
-            kv_pos, past = past[0], past[1:]
-            return self._rows_masked(x, past_len, pos, kv_pos, past, ropes)
+            return self._rows_masked(x, past_len, pos, past, ropes)
         if self.attention == "standard":
             # row b's token t attends to cache rows j <= pos[b, t]; in a sliding-window layer only
             # to j > pos[b, t] - window (graph.py's _forward_standard, per row)
@@ -129,14 +133,15 @@ class BatchedDecoder(StaticDecoder):
             self._tap(i, x, taps)
         return self._outputs(x, new_kv, taps)
 
-    def _rows_masked(self, x, past_len, pos, kv_pos, past, ropes):
-        # kv_pos [L]: the cache positions this call reads (0..L-1, L >= every row's length + T);
-        # each row's new K/V are written in place first (TensorScatter), then its queries,
-        # grouped per kv head ([B, KVH, G*T, D]: G*T >= 2 rows in every MatMul; G = 1: the first
-        # query once more), attend to the
-        # first L cache positions, masked per row: j <= pos[b, t] (and > pos - window)
+    def _rows_masked(self, x, past_len, pos, past, ropes):
+        # the cache as bound: L positions (L >= every row's length + T, any L: a row's logits do
+        # not depend on it); each row's new K/V are written in place first (TensorScatter), then
+        # its queries, grouped per kv head ([B, KVH, G*T, D]: G*T >= 2 rows in every MatMul; G = 1:
+        # the first query once more), attend to all L positions, masked per row: j <= pos[b, t]
+        # (and > pos - window)
         G = self.dims.group
-        L = kv_pos.shape[0]
+        L = past[0].shape[2]
+        kv_pos = torch.arange(L, dtype=torch.int64)
         causal = kv_pos[None, None, :] <= pos[:, :, None]                                 # [B, T, L]
 
         def rows(m):    # the mask of each query row (graph.py's forward_rows): G*T, or T + 1 when G = 1
@@ -153,7 +158,7 @@ class BatchedDecoder(StaticDecoder):
                 tables["local"] = (self.cos_cache_local, self.sin_cache_local, ropes["local"])
         present, taps = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.forward_rows(x, past[2 * i], past[2 * i + 1], past_len, pos, L, attend[layer.window],
+            x, k, v = layer.forward_rows(x, past[2 * i], past[2 * i + 1], past_len, pos, attend[layer.window],
                                          tables[layer.rotary])
             present += [k, v]
             self._tap(i, x, taps)

@@ -428,9 +428,9 @@ class _Layer(nn.Module):
         o = o.transpose(1, 2).reshape(B, T, H * D)                                 # [B, H, T, D] -> [B, T, H*D]
         return self._mlp(x + self._out(o)), present_k, present_v
 
-    def forward_rows(self, x, past_k, past_v, past_len, pos, L, bias, rope):
-        # x: [B, T, C]; past_k/v: [B, KVH, M, D] (present = past with rows past_len[b].. overwritten);
-        # pos [B, T]; attention over the first L cache positions; bias: [B, 1, G*T, L], 0 where a
+    def forward_rows(self, x, past_k, past_v, past_len, pos, bias, rope):
+        # x: [B, T, C]; past_k/v: [B, KVH, L, D] (present = past with rows past_len[b].. overwritten);
+        # pos [B, T]; attention over all L cache positions given; bias: [B, 1, G*T, L], 0 where a
         # query attends and -inf where it does not (T + 1 rows when G = 1), added to the scores:
         # the same softmax inputs as masking them (s + 0 = s, s - inf = -inf for finite s; a +inf
         # or NaN score, which fp32 CPU graphs do not make, would give NaN where masking gave -inf:
@@ -464,9 +464,8 @@ class _Layer(nn.Module):
         # single row takes ONNX Runtime's one-row path, whose sums over the L cache positions round
         # differently as L changes)
         qg = q.reshape(B, KVH, G * T, D) if G > 1 else torch.cat([q, q[:, :, :1]], dim=2)
-        keys, values = present_k[:, :, :L], present_v[:, :, :L]
-        s = self._cap((qg @ keys.transpose(-1, -2)) * self.scale) + bias                     # [B, KVH, G*T, L]
-        o = torch.softmax(s, dim=-1) @ values                                            # [B, KVH, G*T, D]
+        s = self._cap((qg @ present_k.transpose(-1, -2)) * self.scale) + bias                # [B, KVH, G*T, L]
+        o = torch.softmax(s, dim=-1) @ present_v                                         # [B, KVH, G*T, D]
         if G == 1:
             o = o[:, :, :T]
         o = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)

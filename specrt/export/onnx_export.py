@@ -60,14 +60,14 @@ def _replace_layers(dims, layers):
 
 
 def io_names(layers: int, in_place: bool = False, batched: bool = False,
-             kv_pos: bool = False, hidden: bool = False) -> tuple[list[str], list[str]]:
+             hidden: bool = False) -> tuple[list[str], list[str]]:
     """batched: the per-row contract's inputs (export/batch.py), with logit_pos after past_len.
     hidden: the graph also returns `hidden_states` (last, after the K/V)."""
     n = mf.IO_NAMES
     out = ("present_key", "present_value") if in_place else ("new_key", "new_value")
     past = [n[kv] % i for i in range(layers) for kv in ("past_key", "past_value")]
     new = [n[kv] % i for i in range(layers) for kv in out]
-    return ([n["input_ids"], n["past_len"], *([mf.LOGIT_POS] if batched else []), *([mf.KV_POS] if kv_pos else []),
+    return ([n["input_ids"], n["past_len"], *([mf.LOGIT_POS] if batched else []),
              *past], [n["logits"], *new, *([mf.HIDDEN_STATES] if hidden else [])])
 
 
@@ -101,7 +101,7 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     d, T = module.dims, module.T
     args = module.example_inputs()
     inputs, outputs = io_names(d.layers, in_place=module.attention in IN_PLACE,
-                               batched=isinstance(module, BatchedDecoder), kv_pos=module.attention == "rows",
+                               batched=isinstance(module, BatchedDecoder),
                                hidden=bool(getattr(module, "hidden_layers", ())))
     quiet = io.StringIO()
     # the exporter's chatter (torchvision notices, deprecation warnings) would bury the progress bar

@@ -326,7 +326,7 @@ def test_the_portable_batched_graph_refuses_sliding_windows(windowed, tmp_path):
                                  tokens={"step": "dynamic"})
 
 
-# --- "rows": plain ops over the first L cache positions (a batch verifies windows) ---
+# --- "rows": plain ops over a cache of the L positions bound (a batch verifies windows) ---
 
 @pytest.fixture(scope="module")
 def rows_graph(llama):
@@ -337,7 +337,8 @@ def rows_graph(llama):
 
 
 def _rows_feeds(ids, lens, caches, L):
-    return {**_feeds(ids, lens, [c.copy() for c in caches]), "kv_pos": np.arange(L, dtype=np.int64)}
+    """The caches' first L positions (what the runtime binds: the positions its rows use)."""
+    return _feeds(ids, lens, [np.ascontiguousarray(c[:, :, :L]) for c in caches])
 
 
 def test_rows_exists_only_in_the_batched_graph(llama, tmp_path):
@@ -346,17 +347,23 @@ def test_rows_exists_only_in_the_batched_graph(llama, tmp_path):
         onnx_export.export_model(llama[1], SHAPES, tmp_path, attention="rows")
 
 
-def test_rows_graph_reads_kv_pos_and_writes_the_cache_in_place(rows_graph):
+def test_rows_graph_takes_a_cache_of_any_length_and_attends_to_all_of_it_without_a_copy(rows_graph):
+    """The cache's position axis is symbolic (the runtime binds the positions its rows use) and
+    no Slice copies a prefix of what TensorScatter wrote: ONNX Runtime has no strided views."""
     sess, part = rows_graph
     ins = {i.name: i.shape for i in sess.sess.get_inputs()}
-    assert ins["kv_pos"] == ["kv_len"] and ins["input_ids"] == ["batch", "tokens"]
+    assert "kv_pos" not in ins and ins["input_ids"] == ["batch", "tokens"]
+    assert ins["past_k_0"][:3] == ["batch", 2, "kv_len"] and ins["past_v_0"][:3] == ["batch", 2, "kv_len"]
     assert part["kv_update"] == "in_place" and part["attention"] == "rows"
-    assert "TensorScatter" in {n.op_type for n in onnx.load(str(sess.path), load_external_data=False).graph.node}
+    nodes = onnx.load(str(sess.path), load_external_data=False).graph.node
+    scattered = {o for n in nodes if n.op_type == "TensorScatter" for o in n.output}
+    assert len(scattered) == 2 * LAYERS
+    assert not [n.name for n in nodes if n.op_type == "Slice" and n.input[0] in scattered]
 
 
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_rows_graph_is_the_portable_graph_within_rounding_and_its_rows_are_batch_invariant(exports, rows_graph, T):
-    """Row b of a B-row call, bit for bit, is the same row alone (with its own, shorter kv_pos);
+    """Row b of a B-row call, bit for bit, is the same row alone (with its own, shorter cache);
     and the arithmetic is the portable graph's (within float rounding: another order of sums)."""
     sess, _ = rows_graph
     ids, caches = _random_rows(len(LENS), T, seed=5)
@@ -367,8 +374,9 @@ def test_rows_graph_is_the_portable_graph_within_rounding_and_its_rows_are_batch
     for b in range(len(LENS)):
         alone = sess.run(None, _rows_feeds(ids[b:b + 1], LENS[b:b + 1], [c[b:b + 1] for c in caches],
                                            LENS[b] + T))
-        for g, w in zip(got, alone):
-            np.testing.assert_array_equal(g[b], w[0], err_msg=f"row {b} (past_len {LENS[b]}, T={T})")
+        np.testing.assert_array_equal(got[0][b], alone[0][0], err_msg=f"row {b} (past_len {LENS[b]}, T={T})")
+        for g, w in zip(got[1:], alone[1:]):         # the cache it wrote, over the positions the row has
+            np.testing.assert_array_equal(g[b][:, :LENS[b] + T], w[0], err_msg=f"row {b} cache")
         # the K/V it wrote: the portable graph's new rows, at the row's own offset
         for i in range(LAYERS):
             s = LENS[b]
@@ -376,15 +384,17 @@ def test_rows_graph_is_the_portable_graph_within_rounding_and_its_rows_are_batch
 
 
 def test_rows_graph_does_not_depend_on_how_much_cache_it_reads(rows_graph):
-    """kv_pos may be any length >= the longest row's length + T (the runtime rounds it up and
-    the batch's longest row sets it): a row's outputs are the same bit for bit."""
+    """The cache may have any length >= the longest row's length + T (the runtime rounds it up
+    and the batch's longest row sets it): a row's logits, and the cache it writes, are the same
+    bit for bit."""
     sess, _ = rows_graph
     lens, T = [3, 20, 9], 4
     ids, caches = _random_rows(len(lens), T, seed=6)
     outs = [sess.run(None, _rows_feeds(ids, lens, caches, L)) for L in (24, 31, 64, SHAPES.kv_capacity)]
     for other in outs[1:]:
-        for g, w in zip(other, outs[0]):
-            np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(other[0], outs[0][0])
+        for g, w in zip(other[1:], outs[0][1:]):
+            np.testing.assert_array_equal(g[:, :, :24], w)
 
 
 def test_rows_graph_positions_agree_whatever_window_they_are_computed_in(rows_graph):
@@ -394,10 +404,9 @@ def test_rows_graph_positions_agree_whatever_window_they_are_computed_in(rows_gr
     lens = [5, 17, 0]
     ids, caches = _random_rows(len(lens), 4, seed=7)
     window = sess.run(None, _rows_feeds(ids, lens, caches, 40))
-    steps = [c.copy() for c in caches]
+    steps = [np.ascontiguousarray(c[:, :, :40]) for c in caches]
     for t in range(4):
-        f = _feeds(ids[:, t:t + 1], [x + t for x in lens], steps)
-        out = sess.run(None, {**f, "kv_pos": np.arange(40, dtype=np.int64)})
+        out = sess.run(None, _feeds(ids[:, t:t + 1], [x + t for x in lens], steps))
         np.testing.assert_array_equal(out[0][:, 0], window[0][:, t], err_msg=f"position {t}")
         steps = out[1:]
 
@@ -408,7 +417,7 @@ def test_rows_graph_of_each_family_is_its_reference_graph_and_batch_invariant(ca
     tables (Gemma 3), a partial rotary (Phi-3), learned positions and plain
     multi-head attention (GPT-2: one query head per kv head, whose one-token rows are doubled).
     The rows graph is the standard (windows) or portable batched graph within float rounding,
-    and each of its rows is the row alone (with its own, shorter kv_pos), bit for bit."""
+    and each of its rows is the row alone (with its own, shorter cache), bit for bit."""
     from tiny_models import ARCHITECTURE_CASES
     family, extra = ARCHITECTURE_CASES.get(case, (case, None))
     lm = sources.load_source(make_tiny_model_dir(tmp_path / "model", family, layers=LAYERS, extra=extra))

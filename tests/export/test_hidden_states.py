@@ -98,8 +98,6 @@ def test_the_batched_graph_returns_every_rows_hidden_states_at_every_position(lm
     def call(ids, lens, logit_pos):
         feed = {"input_ids": np.array(ids, np.int64), "past_len": np.array(lens, np.int64),
                 "logit_pos": np.array(logit_pos, np.int64)}
-        if attention == "rows":
-            feed["kv_pos"] = np.arange(M, dtype=np.int64)
         for i in range(int(d["layers"])):
             feed[f"past_k_{i}"], feed[f"past_v_{i}"] = caches[2 * i], caches[2 * i + 1]
         out = dict(zip(names, sess.run(None, feed)))

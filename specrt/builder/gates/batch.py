@@ -74,7 +74,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
         source["draft_graph"] = {"runs": "the int8 self-draft's steps inside a batch (shared cache: the verify "
                                          "pass overwrites what it writes)", **draft.describe()}
     part.update(subdir="batch", family=target_part["family"], precision=target_part["precision"], source=source,
-                kv={**target_part["kv"], "update": part["kv_update"]})
+                kv={**target_part["kv"], "update": part["kv_update"], **cache_length(attention, shapes)})
     inv = invariance(tmp, part, shapes, prompts)
     if not inv["equal"] and cfg.precision != "fp32" and not part.get("row_multiple"):
         inv = _never_one_row(tmp, part, shapes, prompts, inv)
@@ -111,6 +111,16 @@ def _never_one_row(tmp: Path, part: dict, shapes, prompts, first: dict) -> dict:
     part["source"]["rows_per_call"] = ("even (io row_multiple 2): this CPU's int8 kernels round a row computed "
                                        "alone apart from the same row among others")
     return {**again, "one_row_alone": {"equal": False, "max_abs_logit_delta": first["max_abs_logit_delta"]}}
+
+
+def cache_length(attention: str, shapes) -> dict:
+    """What the manifest says of a batched model's cache length: a "rows" graph takes a cache of
+    the positions its rows use (a symbolic length; the runtime grows it, at most the capacity
+    built for: its rotary tables end there), the other variants the whole capacity."""
+    if attention != "rows":
+        return {}
+    return {"layout": "[batch, kv_heads, kv_len, head_dim]", "capacity": shapes.kv_capacity,
+            "length": "grows: the positions the rows use, in blocks of 64, at most kv_capacity"}
 
 
 def batch_attention(cfg, target_part: dict) -> str:
@@ -154,7 +164,7 @@ def export_draft(cfg, dm, layers: int | None, tmp: Path, batch_part: dict, draft
     part.update(subdir="batch_draft", family=draft_part["family"], precision=draft_part["precision"],
                 source={**draft_part["source"], "attention": attention,
                         "derived": f"the draft ({what}) with a batch dimension and its own cache (export/batch.py)"},
-                kv={**draft_part["kv"], "update": part["kv_update"]})
+                kv={**draft_part["kv"], "update": part["kv_update"], **cache_length(attention, cfg.shapes)})
     part["parity"] = {"draft_agreement": own_draft_agreement(tmp, batch_part, part, cfg.shapes, prompts)}
     return part
 
@@ -272,12 +282,15 @@ def invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     out = {"rows": n, "steps": STEPS, "equal": equal, "max_abs_logit_delta": worst,
            "prefill_last_position_delta": gather_delta, "odd_rows": odd_n if odd is not None else None,
            "row_multiple": together.row_multiple}
-    if any(together.has_kv_pos.values()):
-        # a "rows" graph reads the first L cache positions, L set by the batch's longest row: the
-        # same step once reading just what it needs and once the whole cache must agree bit for bit
-        # (the same K/V are written both times)
+    if together.grows or any(together.has_kv_pos.values()):
+        # a "rows" graph reads L cache positions, L set by the batch's longest row (a cache of L
+        # positions, or the first L of the whole cache in graphs built before 2026-12-06): the
+        # same step once reading just what it needs and once the whole cache must agree bit for
+        # bit (the same K/V are written both times)
         toks, starts = np.array(cur, np.int64)[:, None], np.array(lengths, np.int64)
-        L = int(starts.max()) + 1           # the least it may read (the runtime rounds it up to KV_BLOCK)
+        # the least it may read (the runtime rounds it up to KV_BLOCK): the step's own positions and
+        # whatever the rows hold past them (a padded prompt chunk wrote past a row's length)
+        L = max(int(starts.max()) + 1, int(together.cache.end.max()))
         short = together.step("step", toks, starts, 0, kv_len=L).copy()
         whole = together.step("step", toks, starts, 0, kv_len=shapes.kv_capacity).copy()
         delta = float(np.max(np.abs(short - whole)))

@@ -40,7 +40,7 @@ from specrt.errors import BackendError, ConfigError, ManifestError
 from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.device import Buffer, Step
 from specrt.runtime.backends.lifecycle import GraphLifecycle
-from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, check_multi_token_rows
+from specrt.runtime.backends.ort_batch import OrtBatchModel, batch_graphs, cache_length_symbolic, check_multi_token_rows
 from specrt.runtime.backends.ort_cpu import DTYPES, check_weights_file, io_dtypes, session_options
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -92,6 +92,9 @@ class DeviceBatchKV:
             self.device.copy(b, dst * self.row_nbytes, b, src * self.row_nbytes, self.row_nbytes)
         if self.on_move is not None:
             self.on_move(src, dst, length)
+
+    def forget(self, first_free: int) -> None:
+        """Allocated once at the capacity (a captured graph's fixed shapes): nothing to drop."""
 
     def free(self) -> None:
         for b in self.keys + self.values:
@@ -194,7 +197,7 @@ class DeviceBatchModel:
         if execution == "cuda":
             check_on_cuda(self.session, path)
         self.has_positions = any(i.name == LOGIT_POS for i in self.session.get_inputs())
-        if any(i.name == KV_POS for i in self.session.get_inputs()):
+        if any(i.name == KV_POS for i in self.session.get_inputs()) or cache_length_symbolic(self.session, entry):
             raise ManifestError(f"the {entry.role} graph was built with --batch-attention rows, whose calls read a "
                                 "cache length that changes with every step (no fixed shape to capture): device "
                                 "buckets need the gqa batched graph (rebuild without --batch-attention rows)")

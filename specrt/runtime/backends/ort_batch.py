@@ -2,7 +2,10 @@
 Implements runtime/batch/model.py's BatchModel for graphs exported with a symbolic batch
 dimension (export/batch.py; manifest graph `batch: "dynamic"`), and a symbolic or static T.
 
-    cache    per layer, K and V: [rows, KVH, capacity, D], allocated once (rows = max_num_seqs)
+    cache    per layer, K and V: [rows, KVH, length, D] (rows = max_num_seqs): length = the
+             capacity, allocated once, for graphs that read a prefix of it (kv_pos); for the
+             "rows" graphs exported since 2026-12-06 (a symbolic cache length), the positions
+             the rows use, rounded up to KV_BLOCK, reallocated as that changes (BatchKV.fit)
     step     rows first_row..first_row+n-1 bind the view cache[first_row:first_row+n] (the
              leading axis: a contiguous view, no copy); ids [n, T], past_len [n], logit_pos
              [n, P] and logits [n, P, V] are views of flat buffers made once for the largest call
@@ -36,14 +39,79 @@ KV_BLOCK = 64      # a "rows" graph reads the cache in multiples of this many po
 
 
 class BatchKV:
-    """The KV cache of `rows` sequences: keys[i], values[i]: [rows, KVH, capacity, D]."""
+    """The KV cache of `rows` sequences: keys[i], values[i]: [rows, KVH, length, D].
 
-    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, rows: int, dtype=np.float32):
-        self.rows, self.capacity, self.dtype = rows, capacity, np.dtype(dtype)
-        shape = (rows, kv_heads, capacity, head_dim)
+    fixed (grows=False: graphs that read a prefix of the cache through kv_pos): length =
+    capacity, allocated once.
+
+    grows=True (the "rows" graphs exported since 2026-12-06: the cache's position axis is
+    symbolic and a call attends to every position it is given): length = the positions the
+    rows hold, rounded up to KV_BLOCK. `fit` reallocates it (copying what the rows hold) when a
+    call needs more, and when two blocks or more are unused (the rows that held the longest
+    contexts left: `forget`). A step then reads no position that no row uses, and copies none:
+    the fixed cache's graphs copied a prefix of every row, K and V, in every layer, every step
+    (ONNX Runtime has no strided views), which was most of a many-row step at long contexts.
+    A reallocation copies about what one such step copied, once per KV_BLOCK positions of
+    growth. `generation` counts reallocations: IO bindings over older arrays are stale.
+
+    end[r]: past the last position written to row r (a high-water mark: a rewound row keeps it;
+    a moved row's is the length moved; `forget` clears the rows the engine freed)."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, rows: int, dtype=np.float32,
+                 grows: bool = False):
+        self.rows, self.capacity, self.dtype, self.grows = rows, capacity, np.dtype(dtype), grows
+        self._shape = (layers, kv_heads, head_dim)
+        self.end = np.zeros(rows, np.int64)
+        self.generation = 0
+        self.length = 0
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self._allocate(min(KV_BLOCK, capacity) if grows else capacity)
+
+    def _allocate(self, length: int) -> None:
+        layers, kvh, hd = self._shape
+        shape = (self.rows, kvh, length, hd)
         # lazy: a row's pages are given as its positions are written (runtime/kv.py lazy_zeros)
-        self.keys = [lazy_zeros(shape, dtype) for _ in range(layers)]
-        self.values = [lazy_zeros(shape, dtype) for _ in range(layers)]
+        keys = [lazy_zeros(shape, self.dtype) for _ in range(layers)]
+        values = [lazy_zeros(shape, self.dtype) for _ in range(layers)]
+        live = np.flatnonzero(self.end)
+        if len(live):       # rows 0..hi-1, each to the longest row's end (the rows in use are contiguous)
+            hi, n = int(live[-1]) + 1, min(int(self.end.max()), self.length, length)
+            for new, old in zip(keys + values, self.keys + self.values):
+                np.copyto(new[:hi, :, :n], old[:hi, :, :n])
+        self.keys, self.values, self.length = keys, values, length
+        self.generation += 1
+
+    def fit(self, need: int, exact: int | None = None) -> int:
+        """A growing cache's length for a call that writes positions up to need - 1: at least
+        that and every row's end, rounded up to KV_BLOCK (at most the capacity); reallocated
+        when shorter, or when two blocks or more longer. exact: that length (the build's gate
+        reads a step over more of the cache than it needs). Returns the length."""
+        if need > self.capacity:    # the engine never asks this; a row past the cache must not be cut silently
+            raise BackendError(f"a row would reach position {need} of a {self.capacity}-position cache: the "
+                               "engine must finish a request at the maximum context")
+        live = max(need, int(self.end.max(initial=0)))
+        if exact is not None:
+            if not live <= exact <= self.capacity:
+                raise BackendError(f"kv_len={exact}: give {live}..{self.capacity} (the longest row's length after "
+                                   "the step .. the cache capacity)")
+            want = exact
+        else:
+            want = min(-(-live // KV_BLOCK) * KV_BLOCK, self.capacity)
+            if want <= self.length < want + 2 * KV_BLOCK:
+                return self.length
+        if want != self.length:
+            self._allocate(want)
+        return self.length
+
+    def written(self, first_row: int, starts: np.ndarray, tokens: int) -> None:
+        """Rows first_row.. wrote positions starts[i] .. starts[i] + tokens - 1."""
+        ends = self.end[first_row:first_row + len(starts)]
+        np.maximum(ends, np.asarray(starts) + tokens, out=ends)
+
+    def forget(self, first_free: int) -> None:
+        """Rows first_free.. hold no request any more (the engine keeps its rows contiguous from 0)."""
+        self.end[first_free:] = 0
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +120,7 @@ class BatchKV:
     def move_row(self, src: int, dst: int, length: int) -> None:
         for a in self.keys + self.values:
             np.copyto(a[dst, :, :length], a[src, :, :length])
+        self.end[dst] = length
 
 
 def batch_graphs(entry: ModelEntry) -> bool:
@@ -83,11 +152,6 @@ class OrtBatchModel:
             raise ManifestError(f"models.{entry.role}.io.row_multiple={self.row_multiple}: this specrt pads calls to "
                                 "a multiple of 1 or 2 rows; rebuild the engines with this specrt")
         spare = int(self.row_multiple > 1)
-        self.cache = cache or BatchKV(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]),
-                                      rows + spare, DTYPES[dt["kv"]])
-        if self.cache.rows < rows + spare:
-            raise BackendError(f"a shared cache of {self.cache.rows} rows for {rows} rows of a model that pads calls to "
-                               "an even number of rows: it needs one spare row")
         check_weights_file(root, entry)
         names = graphs or tuple(entry.graphs)
         # the batched model of `specrt build --batch` has one graph, "step", with a symbolic T: it
@@ -114,12 +178,37 @@ class OrtBatchModel:
                 _check_signature(self._sessions[f], root / f, entry, dt, shapes.kv_capacity)
         # graphs built before logit_pos existed return every position: the positions are picked here
         self.has_positions = {f: any(i.name == LOGIT_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
-        # "rows" graphs read the first L cache positions, L = kv_pos's length: the longest row's
-        # length after the step, rounded up to KV_BLOCK (a row's result does not depend on L)
+        # "rows" graphs read L cache positions (a row's result does not depend on L): the rows'
+        # longest length after the step, rounded up to KV_BLOCK. Graphs exported since 2026-12-06
+        # take a cache of L positions (a symbolic length: the cache grows, BatchKV); older ones
+        # read the first L positions of the whole cache, L = the length of their kv_pos input
         self.has_kv_pos = {f: any(i.name == KV_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
+        grows = {f: cache_length_symbolic(s, entry) and not self.has_kv_pos[f] for f, s in self._sessions.items()}
+        if len(set(grows.values())) > 1:
+            raise GraphFileError(f"the {entry.role} graphs {sorted(grows)} disagree on the cache's length (symbolic in "
+                                 "some, fixed in others) but share one cache: they come from different builds; rebuild "
+                                 "the engines")
+        self.grows = any(grows.values())
+        if self.grows and entry.kv.get("capacity") != shapes.kv_capacity:
+            # the graphs no longer fix the capacity; their rotary tables (and the build's checks)
+            # end at the one built for, which the manifest records beside the cache's layout
+            raise ManifestError(f"models.{entry.role}.kv.capacity={entry.kv.get('capacity')!r}, but shapes.max_context "
+                                f"{shapes.max_context} implies a cache of {shapes.kv_capacity} positions: the manifest "
+                                "was edited or belongs to other graphs; rebuild the engines")
         self._kv_pos = np.arange(shapes.kv_capacity, dtype=np.int64)
         self._kv_values: dict[int, ort.OrtValue] = {}    # L -> kv_pos[:L] (at most capacity / KV_BLOCK + 1)
         self.kv_len = self.max_kv_len = 0                # the last and the largest L bound
+        self.cache = cache or BatchKV(entry.layers, int(d["kv_heads"]), shapes.kv_capacity, int(d["head_dim"]),
+                                      rows + spare, DTYPES[dt["kv"]], grows=self.grows)
+        if self.cache.rows < rows + spare:
+            raise BackendError(f"a shared cache of {self.cache.rows} rows for {rows} rows of a model that pads calls to "
+                               "an even number of rows: it needs one spare row")
+        if getattr(self.cache, "grows", False) != self.grows:
+            raise GraphFileError(f"the {entry.role} graphs {'take' if self.grows else 'do not take'} a cache of a "
+                                 "symbolic length, the cache they share was made for graphs that "
+                                 f"{'do not' if self.grows else 'do'}: the graphs come from different builds; rebuild "
+                                 "the engines")
+        self._generation = self.cache.generation      # the cache arrays the bindings below were made over
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
@@ -141,6 +230,7 @@ class OrtBatchModel:
         self._hidden = np.zeros(R * t_max * self.hidden_width, np.float32)
         self.hidden: np.ndarray | None = None
         self._bindings: dict[tuple, tuple] = {}
+        self._alone: list[np.ndarray] = []     # a one-row call's own cache (_alone_views), made at first use
 
     @staticmethod
     def _attention(root: Path, entry: ModelEntry) -> str:
@@ -188,7 +278,15 @@ class OrtBatchModel:
         if (n2, T2) != (n, T) and need > self.cache.capacity:
             raise BackendError(f"a padded call would write position {need - 1} of a {self.cache.capacity}-position "
                                "cache")
-        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n2, T2, P2)
+        alone = None
+        if self.grows:
+            self._fit(need, kv_len)
+            alone = self._alone_length(n2, need, kv_len)
+        if alone is not None:   # one row, much shorter than the cache: its prefix into a cache of its own
+            start = int(starts[0])
+            for src, dst in zip(self.cache.keys + self.cache.values, self._alone_views(alone)):
+                np.copyto(dst[0, :, :start], src[first_row, :, :start])
+        binding, ids, past, logits, new, pos = self._binding(graph, first_row, n2, T2, P2, alone)
         if self.has_kv_pos[file]:
             binding.bind_ortvalue_input(KV_POS, self._kv_value(need, kv_len))
         if n2 == n and T2 == T:
@@ -208,6 +306,10 @@ class OrtBatchModel:
             else:
                 pos[:] = self._every[:T2]
         self._sessions[file].run_with_iobinding(binding)
+        if alone is not None:   # what the call wrote, back into the row
+            for dst, src in zip(self.cache.keys + self.cache.values, self._alone_views(alone)):
+                np.copyto(dst[first_row, :, start:start + T2], src[0, :, start:start + T2])
+        self.cache.written(first_row, past, T2)
         if self.hidden_width:
             self.hidden = self._hidden[:n2 * T2 * self.hidden_width].reshape(n2, T2, -1)[:n, :T]
         if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
@@ -221,6 +323,35 @@ class OrtBatchModel:
         if positions is not None and not gathered:
             return np.take_along_axis(logits, np.asarray(positions)[:, :, None], axis=1)
         return logits
+
+    def _fit(self, need: int, kv_len: int | None) -> None:
+        """A growing cache: room for this call (and every row's K/V); bindings made over the
+        arrays a reallocation replaced are dropped (a shared cache: the other model's too, at
+        its next call)."""
+        L = self.cache.fit(need, kv_len)
+        if self.cache.generation != self._generation:
+            self._bindings.clear()
+            self._generation = self.cache.generation
+        self.kv_len, self.max_kv_len = L, max(self.max_kv_len, L)
+
+    def _alone_length(self, n: int, need: int, kv_len: int | None) -> int | None:
+        """A one-row call (a prompt chunk) of a growing cache that other rows made longer than
+        this row needs runs over a cache of its own: the row's need rounded up to KV_BLOCK. Else
+        its attention would read every position the longest row holds (a new request's first
+        chunk at 64 positions beside rows at 900 would attend to 960); graphs built before the
+        growing cache read the first L positions of this row alone (kv_pos), which this keeps."""
+        if n != 1 or kv_len is not None:
+            return None
+        L = min(-(-need // KV_BLOCK) * KV_BLOCK, self.cache.capacity)
+        return L if L < self.cache.length else None
+
+    def _alone_views(self, L: int) -> list[np.ndarray]:
+        """The one-row cache, K and V per layer: [1, KVH, L, D], contiguous (the first L
+        positions' worth of one flat buffer each; lazy: pages as written)."""
+        if not self._alone:
+            per = self._kvh * self.cache.capacity * self._hd
+            self._alone = [lazy_zeros((per,), self.cache.dtype) for _ in range(2 * self.entry.layers)]
+        return [a[:self._kvh * L * self._hd].reshape(1, self._kvh, L, self._hd) for a in self._alone]
 
     def _kv_value(self, need: int, kv_len: int | None) -> ort.OrtValue:
         cap = len(self._kv_pos)
@@ -236,8 +367,9 @@ class OrtBatchModel:
         self.kv_len, self.max_kv_len = L, max(self.max_kv_len, L)
         return self._kv_values[L]
 
-    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int):
-        key = (self._file_of[graph], first_row, n, T, P)     # n may count a padding row (row_multiple)
+    def _binding(self, graph: str, first_row: int, n: int, T: int, P: int, alone: int | None = None):
+        """alone: bind the one-row cache of that many positions (_alone_views), not cache rows."""
+        key = (self._file_of[graph], first_row if alone is None else -alone, n, T, P)   # n may count a padding row
         if key in self._bindings:
             return self._bindings[key][:6]
         sess, io = self._sessions[key[0]], self.io
@@ -263,11 +395,13 @@ class OrtBatchModel:
                                    value(self._hidden[:n * T * self.hidden_width].reshape(n, T, -1)))
         new = []
         layers = self.entry.layers
+        own = self._alone_views(alone) if alone is not None else None
         for i in range(layers):
             for j, (buf, past_name, out_name) in enumerate((
                     (self.cache.keys[i], "past_key", "present_key" if self.in_place else "new_key"),
                     (self.cache.values[i], "past_value", "present_value" if self.in_place else "new_value"))):
-                view = value(buf[first_row:first_row + n])
+                # (the one-row cache's views are ordered as cache.keys + cache.values)
+                view = value(buf[first_row:first_row + n] if own is None else own[i + j * layers])
                 b.bind_ortvalue_input(io[past_name] % i, view)
                 if self.in_place:   # GroupQueryAttention / TensorScatter write the new rows in place
                     b.bind_ortvalue_output(io[out_name] % i, view)
@@ -279,6 +413,13 @@ class OrtBatchModel:
             new = new[0::2] + new[1::2]
         self._bindings[key] = entry = (b, ids, past, logits, new, pos, hold)
         return entry[:6]
+
+
+def cache_length_symbolic(session, entry: ModelEntry) -> bool:
+    """Does this graph take a cache whose position axis is symbolic ("rows" graphs since
+    2026-12-06: the runtime binds the positions its rows use)?"""
+    first = entry.io["past_key"] % 0
+    return any(i.name == first and isinstance(i.shape[2], str) for i in session.get_inputs())
 
 
 def io_has_hidden(entry: ModelEntry) -> bool:

@@ -198,6 +198,7 @@ class BatchEngine(DraftRounds):
             self._unforked = []
             self.rows, self.pending = [], None
             self.waiting.clear()
+            self._free_rows()
         for req in reqs:
             req.sink(Failed(error))
 
@@ -485,6 +486,16 @@ class BatchEngine(DraftRounds):
         if self.pending is not None and self.pending.finish is not None:
             row, self.pending = self.pending, None
             self._finish(row)
+        self._free_rows()
+
+    def _free_rows(self) -> None:
+        """Tell the caches which rows hold no request now: the running rows and the one being
+        prefilled are rows 0..live-1 (a growing cache, runtime/backends/ort_batch.py BatchKV,
+        then keeps only the positions those hold)."""
+        live = len(self.rows) + (self.pending is not None)
+        self.target.cache.forget(live)
+        if self.draft is not None and not self.draft.shares_cache:
+            self.draft.cache.forget(live)
 
     def _move(self, src: int, dst: int, row: Row) -> None:
         self.target.cache.move_row(src, dst, row.length)

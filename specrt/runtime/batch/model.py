@@ -37,6 +37,11 @@ class BatchCache(Protocol):
         """Copy K/V rows [0, length) of cache row `src` into cache row `dst`."""
         ...
 
+    def forget(self, first_free: int) -> None:
+        """Rows first_free.. hold no request now (the engine keeps its rows contiguous from 0):
+        a cache that sizes itself to what its rows hold may drop their K/V."""
+        ...
+
 
 @runtime_checkable
 class BatchModel(Protocol):

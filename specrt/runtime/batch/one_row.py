@@ -42,6 +42,9 @@ class _OneRowCache:
         if src != dst:
             raise AssertionError(f"a one-row cache has no row {max(src, dst)}")
 
+    def forget(self, first_free: int) -> None:
+        """The runner's cache is sized once (its graphs' static shapes): nothing to drop."""
+
 
 class OneRowModel:
     """A ModelRunner as a BatchModel of one row. step(graph, tokens [1, T], starts [1]) runs the

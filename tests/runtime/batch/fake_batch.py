@@ -29,6 +29,11 @@ class FakeCache:
         self.tokens[dst, length:] = -1         # nothing valid past the moved length
         self.moves.append((src, dst, length))
 
+    def forget(self, first_free: int) -> None:
+        """Rows first_free.. are free: their tokens are dropped (as a growing cache drops their
+        K/V), so an engine that forgot a row it still uses reads -1s there and answers otherwise."""
+        self.tokens[first_free:] = -1
+
 
 class FakeLM:
     def __init__(self, vocab: int = 16, rows: int = 4, capacity: int = 96, *, graph_tokens=None, salt: bytes = b"",

@@ -44,7 +44,7 @@ def plain_alone(speculating):
         return [g.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS]
 
 
-def test_rows_records_one_token_steps_and_reads_kv_pos(tiny_batch_rows_engines):
+def test_rows_records_one_token_steps_and_that_a_row_does_not_depend_on_the_cache_length(tiny_batch_rows_engines):
     man = json.loads((tiny_batch_rows_engines / "manifest.json").read_text())
     batch = man["models"]["batch"]
     assert batch["source"]["attention"] == "rows"
@@ -126,25 +126,65 @@ def test_device_buckets_refuse_a_rows_graph_naming_the_fix(tiny_batch_rows_engin
         DeviceBatchModel(tiny_batch_rows_engines, man.models["batch"], man.shapes, rows=2, execution="cpu")
 
 
-def test_a_rows_call_reads_the_cache_up_to_its_longest_row_in_blocks(tiny_batch_rows_engines):
-    """kv_pos is bound to 0..L-1 with L = the longest row's length after the call, rounded up to
-    KV_BLOCK and capped at the capacity; the row's logits do not depend on L (export tests)."""
+def test_a_rows_call_reads_a_cache_of_what_its_rows_hold_in_blocks(tiny_batch_rows_engines):
+    """The rows graph takes a cache of L positions, L = every row's end after the call rounded
+    up to KV_BLOCK, at most the capacity (BatchKV grows: tests/runtime/test_batch_kv_grows.py);
+    a reallocation keeps each row's K/V and rebinds; the row's logits do not depend on L (export
+    tests)."""
+    from specrt.errors import BackendError
     from specrt.manifest import load
     from specrt.runtime.backends.ort_batch import KV_BLOCK, OrtBatchModel
     man = load(tiny_batch_rows_engines)
     m = OrtBatchModel(tiny_batch_rows_engines, man.models["batch"], man.shapes, rows=3, threads=2)
     cap = man.shapes.kv_capacity
-    for starts, T, want in (([3, 9], 1, KV_BLOCK), ([3, KV_BLOCK - 1], 2, min(2 * KV_BLOCK, cap)),
-                            ([cap - 2, 0], 2, cap), ([0, 5], 1, KV_BLOCK)):
-        m.step("step", np.ones((2, T), np.int64), np.array(starts, np.int64), 0)
-        assert m.kv_len == want, (starts, T)
-    assert len(m._bindings) == 2          # one per (rows, T): L is rebound, not a binding of its own
-    # a call that would run past the cache, or read less than its longest row, is refused
-    from specrt.errors import BackendError
+    assert m.grows and m.cache.grows and not any(m.has_kv_pos.values()) and KV_BLOCK < cap < 2 * KV_BLOCK
+    m.step("step", np.ones((2, 1), np.int64), np.array([3, 9], np.int64), 0)
+    assert m.kv_len == m.cache.length == KV_BLOCK and m.cache.keys[0].shape[2] == KV_BLOCK
+    held = [a[:2, :, :10].copy() for a in m.cache.keys + m.cache.values]
+    gen, bound = m.cache.generation, len(m._bindings)
+    m.step("step", np.ones((2, 2), np.int64), np.array([4, KV_BLOCK - 1], np.int64), 0)   # writes position 64
+    assert m.kv_len == cap and m.cache.generation == gen + 1       # grown (capped), and bound again
+    assert bound == 1 and len(m._bindings) == 1
+    for a, want in zip(m.cache.keys + m.cache.values, held):
+        np.testing.assert_array_equal(a[0, :, :4], want[0, :, :4])   # row 0 kept what it held
+        np.testing.assert_array_equal(a[1, :, :10], want[1, :, :10])
+    m.step("step", np.ones((1, 1), np.int64), np.array([0], np.int64), 2)
+    assert m.kv_len == cap          # a new row's first call: the long row beside it keeps the cache long
     with pytest.raises(BackendError, match="maximum context"):
         m.step("step", np.ones((2, 2), np.int64), np.array([cap - 1, 0], np.int64), 0)
     with pytest.raises(BackendError, match="kv_len=8"):
         m.step("step", np.ones((2, 1), np.int64), np.array([9, 0], np.int64), 0, kv_len=8)
+
+
+def test_a_prompt_chunk_beside_longer_rows_runs_over_a_cache_of_its_own_with_the_same_result(tiny_batch_rows_engines):
+    """A one-row call whose row needs less than the cache the other rows hold (a new request's
+    prompt chunk beside long rows) runs over a one-row cache of its own length: its prefix copied
+    in, what it wrote copied back. Logits and the cache it leaves are the same bit for bit as the
+    call over the whole shared cache (kv_len given: that path)."""
+    from specrt.manifest import load
+    from specrt.runtime.backends.ort_batch import KV_BLOCK, OrtBatchModel
+    man = load(tiny_batch_rows_engines)
+    m = OrtBatchModel(tiny_batch_rows_engines, man.models["batch"], man.shapes, rows=3, threads=2)
+    cap = man.shapes.kv_capacity
+    rng = np.random.default_rng(4)
+    m.step("step", rng.integers(5, 100, (1, 16)), np.array([0]), 0)            # row 0: a prompt, then long
+    m.step("step", rng.integers(5, 100, (1, 8)), np.array([cap - 30]), 0)
+    m.step("step", rng.integers(5, 100, (1, 16)), np.array([0]), 1, kv_len=cap)  # row 1: the new request
+    assert m.cache.length == cap
+    chunk, start = rng.integers(5, 100, (1, 16)), np.array([16])
+    before = [a.copy() for a in m.cache.keys + m.cache.values]
+    last = np.array([[15]])
+    own = m.step("step", chunk, start, 1, last).copy()
+    assert m.kv_len == cap and len(m._alone) == 2 * man.models["batch"].layers     # its own cache: 64 positions
+    after_own = [a.copy() for a in m.cache.keys + m.cache.values]
+    for a, b in zip(m.cache.keys + m.cache.values, before):
+        np.copyto(a, b)
+    whole = m.step("step", chunk, start, 1, last, kv_len=cap).copy()
+    np.testing.assert_array_equal(own, whole)
+    for a, b in zip(m.cache.keys + m.cache.values, after_own):
+        np.testing.assert_array_equal(a[:2, :, :32], b[:2, :, :32])              # row 1's prompt, row 0 untouched
+        np.testing.assert_array_equal(a[0], b[0])
+    assert KV_BLOCK < cap
 
 
 def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone(tiny_batch_rows_engines, monkeypatch):
