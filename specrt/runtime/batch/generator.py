@@ -196,11 +196,18 @@ class BatchGenerator:
             reqs.append(req)
             handles.append(Handle(req, q))
         reqs[0].siblings = tuple(reqs[1:])        # forked from the first one's prefilled prompt
-        if not eng.add(reqs[0], self.max_queue):
-            raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
-                                 "retry later, or raise max_queue / max_num_seqs")
         with self._wake:
-            self._wake.notify()
+            # under the lock the engine thread takes to decide it may stop (_run): a request is
+            # either queued while the thread still runs (close() then cancels it at the next
+            # step) or refused, never queued after the thread's last look
+            if self._closed:
+                raise ConfigError("this BatchGenerator is closed")
+            added = eng.add(reqs[0], self.max_queue)
+            if added:
+                self._wake.notify()
+        if not added:
+            raise OverloadedError(f"{eng.queued} requests are already waiting (max_queue={self.max_queue}): "
+                                  "retry later, or raise max_queue / max_num_seqs")
         return handles
 
     def stream(self, prompt, **kw) -> Iterator[Chunk]:
@@ -305,8 +312,10 @@ class BatchGenerator:
                 eng.fail_all(e if isinstance(e, SpecrtError) else
                              SpecrtError(f"internal error in the batched engine ({type(e).__name__}: {e})"))
                 busy = False
-            if self._closed and eng.idle():
-                return
+            if self._closed:
+                with self._wake:    # a submit() holds it from its closed check to its queueing
+                    if eng.idle():
+                        return
             if not busy:
                 with self._wake:
                     if eng.idle() and not self._closed:

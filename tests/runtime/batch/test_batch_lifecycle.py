@@ -164,3 +164,30 @@ def test_close_sets_the_engines_closing_flag():
     assert not eng.closing
     g.close()
     assert eng.closing
+
+
+def test_a_request_submitted_as_close_begins_is_answered_or_refused_never_lost(monkeypatch):
+    """submit() checks that the generator is open and queues its request under the lock the
+    engine thread takes to decide it may stop: close() landing between the two cannot let the
+    thread stop with the request queued and never answered (the caller's result() would hang).
+    Here close() runs while submit() is queueing, and the thread is given a second to stop."""
+    import threading
+    eng, _ = make_engine(1, costs=None, draft=False, lookup=False)
+    g = BatchGenerator(eng, None)
+    real_add, closer = eng.add, []
+
+    def add(req, max_waiting=None):
+        if not closer:
+            closer.append(threading.Thread(target=g.close))
+            closer[0].start()
+            g._thread.join(1.0)      # the engine thread stops here unless it must wait for this submit
+        return real_add(req, max_waiting)
+
+    monkeypatch.setattr(eng, "add", add)
+    h = g.submit([1, 2, 3], max_new_tokens=20)
+    c = h.result(timeout=60)
+    assert c.finish_reason in ("cancelled", "length", "stop")
+    closer[0].join(60)
+    assert not closer[0].is_alive() and not g._thread.is_alive()
+    with pytest.raises(Exception, match="closed"):
+        g.submit([1, 2, 3], max_new_tokens=5)
