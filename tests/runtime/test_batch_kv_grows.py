@@ -97,6 +97,39 @@ def test_an_exact_length_is_what_the_gate_asks_and_never_less_than_a_row_holds()
         kv.fit(5, exact=CAP + 1)
 
 
+def test_a_reallocation_copies_each_row_to_its_own_end_only():
+    """Past a row's end nothing is copied (a short row beside a long one keeps its tail unpaged:
+    copying to the longest row's end would fault every row's pages in at each growth)."""
+    kv = _kv()
+    _write(kv, 0, 0, 50, seed=8)
+    _write(kv, 1, 0, 5, seed=9)
+    for a in kv.keys + kv.values:
+        a[1, :, 5:50] = 7.0             # junk past row 1's end (a rejected window, a padded chunk)
+    held = _held(kv)
+    kv.fit(2 * KV_BLOCK)
+    _same(kv, held)
+    assert all(not a[1, :, 5:].any() for a in kv.keys + kv.values)
+
+
+def test_every_subscriber_is_told_of_a_reallocation_and_a_dead_one_is_dropped():
+    class Model:
+        def __init__(self):
+            self.told = 0
+
+        def reallocated(self):
+            self.told += 1
+    kv, kept, dropped = _kv(), Model(), Model()
+    kv.subscribe(kept.reallocated)
+    kv.subscribe(dropped.reallocated)
+    kv.fit(2 * KV_BLOCK)
+    assert kept.told == dropped.told == 1
+    del dropped
+    kv.fit(3 * KV_BLOCK)
+    assert kept.told == 2 and len(kv._listeners) == 1
+    kv.fit(3 * KV_BLOCK)                # no reallocation: nobody told
+    assert kept.told == 2
+
+
 def test_a_fixed_cache_is_the_capacity_once():
     kv = BatchKV(layers=1, kv_heads=2, capacity=CAP, head_dim=3, rows=2)
     assert not kv.grows and kv.length == CAP and kv.keys[0].shape == (2, 2, CAP, 3)

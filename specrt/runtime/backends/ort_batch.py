@@ -22,6 +22,7 @@ before the next step.
 """
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,7 @@ class BatchKV:
         self.end = np.zeros(rows, np.int64)
         self.generation = 0
         self.length = 0
+        self._listeners: list[weakref.WeakMethod] = []     # told at each reallocation (subscribe)
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
         self._allocate(min(KV_BLOCK, capacity) if grows else capacity)
@@ -74,13 +76,23 @@ class BatchKV:
         # lazy: a row's pages are given as its positions are written (runtime/kv.py lazy_zeros)
         keys = [lazy_zeros(shape, self.dtype) for _ in range(layers)]
         values = [lazy_zeros(shape, self.dtype) for _ in range(layers)]
-        live = np.flatnonzero(self.end)
-        if len(live):       # rows 0..hi-1, each to the longest row's end (the rows in use are contiguous)
-            hi, n = int(live[-1]) + 1, min(int(self.end.max()), self.length, length)
+        for r in np.flatnonzero(self.end):      # each row to its own end: a short row's tail stays unpaged
+            n = min(int(self.end[r]), self.length, length)
             for new, old in zip(keys + values, self.keys + self.values):
-                np.copyto(new[:hi, :, :n], old[:hi, :, :n])
+                np.copyto(new[r, :, :n], old[r, :, :n])
         self.keys, self.values, self.length = keys, values, length
         self.generation += 1
+        for listener in list(self._listeners):
+            method = listener()
+            if method is None:
+                self._listeners.remove(listener)
+            else:
+                method()
+
+    def subscribe(self, on_reallocate) -> None:
+        """on_reallocate (a bound method, held weakly) runs after each reallocation: a model
+        sharing this cache drops its IO bindings at once, so they do not keep the old arrays."""
+        self._listeners.append(weakref.WeakMethod(on_reallocate))
 
     def fit(self, need: int, exact: int | None = None) -> int:
         """A growing cache's length for a call that writes positions up to need - 1: at least
@@ -209,6 +221,8 @@ class OrtBatchModel:
                                  f"{'do not' if self.grows else 'do'}: the graphs come from different builds; rebuild "
                                  "the engines")
         self._generation = self.cache.generation      # the cache arrays the bindings below were made over
+        if self.grows:
+            self.cache.subscribe(self._cache_reallocated)
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
@@ -281,7 +295,9 @@ class OrtBatchModel:
         alone = None
         if self.grows:
             self._fit(need, kv_len)
-            alone = self._alone_length(n2, need, kv_len)
+            alone = self._alone_length(graph, n2, need, kv_len)
+            if alone is not None:
+                self.kv_len = alone     # what the call attends to
         if alone is not None:   # one row, much shorter than the cache: its prefix into a cache of its own
             start = int(starts[0])
             for src, dst in zip(self.cache.keys + self.cache.values, self._alone_views(alone)):
@@ -326,21 +342,26 @@ class OrtBatchModel:
 
     def _fit(self, need: int, kv_len: int | None) -> None:
         """A growing cache: room for this call (and every row's K/V); bindings made over the
-        arrays a reallocation replaced are dropped (a shared cache: the other model's too, at
-        its next call)."""
+        arrays a reallocation replaced are dropped (by every model sharing the cache, at once:
+        _cache_reallocated; the generation check is the fallback)."""
         L = self.cache.fit(need, kv_len)
         if self.cache.generation != self._generation:
-            self._bindings.clear()
-            self._generation = self.cache.generation
+            self._cache_reallocated()
         self.kv_len, self.max_kv_len = L, max(self.max_kv_len, L)
 
-    def _alone_length(self, n: int, need: int, kv_len: int | None) -> int | None:
-        """A one-row call (a prompt chunk) of a growing cache that other rows made longer than
-        this row needs runs over a cache of its own: the row's need rounded up to KV_BLOCK. Else
-        its attention would read every position the longest row holds (a new request's first
-        chunk at 64 positions beside rows at 900 would attend to 960); graphs built before the
-        growing cache read the first L positions of this row alone (kv_pos), which this keeps."""
-        if n != 1 or kv_len is not None:
+    def _cache_reallocated(self) -> None:
+        self._bindings.clear()
+        self._generation = self.cache.generation
+
+    def _alone_length(self, graph: str, n: int, need: int, kv_len: int | None) -> int | None:
+        """A prompt chunk (one row) of a growing cache that other rows made longer than this row
+        needs runs over a cache of its own: the row's need rounded up to KV_BLOCK. Else its
+        attention would read every position the longest row holds (a new request's first chunk
+        at 64 positions beside rows at 900 would attend to 960); graphs built before the growing
+        cache read the first L positions of this row alone (kv_pos), which this keeps. Only
+        prompt chunks: a one-row decode or verify step (a batch of one whose cache is a block or
+        two longer than it needs) would copy its whole prefix each call for little."""
+        if graph != "prefill" or n != 1 or kv_len is not None:
             return None
         L = min(-(-need // KV_BLOCK) * KV_BLOCK, self.cache.capacity)
         return L if L < self.cache.length else None

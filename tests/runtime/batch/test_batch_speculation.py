@@ -174,17 +174,42 @@ def test_a_prompt_chunk_beside_longer_rows_runs_over_a_cache_of_its_own_with_the
     chunk, start = rng.integers(5, 100, (1, 16)), np.array([16])
     before = [a.copy() for a in m.cache.keys + m.cache.values]
     last = np.array([[15]])
-    own = m.step("step", chunk, start, 1, last).copy()
-    assert m.kv_len == cap and len(m._alone) == 2 * man.models["batch"].layers     # its own cache: 64 positions
+    own = m.step("prefill", chunk, start, 1, last).copy()
+    assert m.kv_len == KV_BLOCK and len(m._alone) == 2 * man.models["batch"].layers   # its own cache: 64 positions
     after_own = [a.copy() for a in m.cache.keys + m.cache.values]
     for a, b in zip(m.cache.keys + m.cache.values, before):
         np.copyto(a, b)
-    whole = m.step("step", chunk, start, 1, last, kv_len=cap).copy()
+    whole = m.step("prefill", chunk, start, 1, last, kv_len=cap).copy()
+    assert m.kv_len == cap
     np.testing.assert_array_equal(own, whole)
     for a, b in zip(m.cache.keys + m.cache.values, after_own):
         np.testing.assert_array_equal(a[:2, :, :32], b[:2, :, :32])              # row 1's prompt, row 0 untouched
         np.testing.assert_array_equal(a[0], b[0])
-    assert KV_BLOCK < cap
+    m.step("decode", chunk[:, :1], np.array([32]), 1)
+    assert m.kv_len == cap          # only prompt chunks take the one-row cache
+
+
+def test_a_reallocation_drops_the_bindings_of_every_model_sharing_the_cache(tiny_batch_rows_draft_engines):
+    """The int8 self-draft runs over the target's cache (a second model, cache=...): when the
+    target's call reallocates the cache, the draft's IO bindings go at once (they held the old
+    arrays alive), and its next call reads the new arrays."""
+    from specrt.manifest import load
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    man = load(tiny_batch_rows_draft_engines)
+    entry = man.models["batch"]
+    target = OrtBatchModel(tiny_batch_rows_draft_engines, entry, man.shapes, rows=2, threads=2,
+                           graphs=tuple(g for g in entry.graphs if g != "draft"))
+    draft = OrtBatchModel(tiny_batch_rows_draft_engines, entry, man.shapes, rows=2, cache=target.cache,
+                          graphs=("draft",), serves="draft", threads=2)
+    ids = np.ones((2, 1), np.int64)
+    target.step("step", ids, np.array([3, 5]), 0)
+    draft.step("decode", ids, np.array([4, 6]), 0)
+    assert draft._bindings and target.cache.length == 64
+    target.step("step", np.ones((2, 4), np.int64), np.array([62, 7]), 0)       # past one block: reallocated
+    assert target.cache.length > 64 and not draft._bindings and draft._generation == target.cache.generation
+    got = draft.step("decode", ids, np.array([66, 11]), 0).copy()
+    again = draft.step("decode", ids, np.array([66, 11]), 0)      # the same call, now bound: the same answer
+    np.testing.assert_array_equal(got, again)
 
 
 def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone(tiny_batch_rows_engines, monkeypatch):
