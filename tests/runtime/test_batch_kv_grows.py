@@ -133,3 +133,50 @@ def test_every_subscriber_is_told_of_a_reallocation_and_a_dead_one_is_dropped():
 def test_a_fixed_cache_is_the_capacity_once():
     kv = BatchKV(layers=1, kv_heads=2, capacity=CAP, head_dim=3, rows=2)
     assert not kv.grows and kv.length == CAP and kv.keys[0].shape == (2, 2, CAP, 3)
+
+
+def test_random_writes_moves_and_refits_keep_every_row_bit_for_bit():
+    """A reference copy of what each row holds, against 600 random operations: writes at a
+    row's end or inside it (a rewound window), growing and shrinking fits, rows moved and
+    forgotten as the engine does. Every re-layout moves blocks that may overlap their old place."""
+    rng = np.random.default_rng(11)
+    rows, heads, hd, layers = 5, 3, 2, 2
+    kv = BatchKV(layers=layers, kv_heads=heads, capacity=CAP, head_dim=hd, rows=rows, grows=True)
+    ref = np.zeros((rows, 2 * layers, heads, CAP, hd), np.float32)
+    live, grew, shrank = 0, 0, 0
+
+    def check():
+        for r in range(rows):
+            n = int(kv.end[r])
+            for j, a in enumerate(kv.keys + kv.values):
+                np.testing.assert_array_equal(a[r, :, :n], ref[r, j, :, :n], err_msg=f"row {r}")
+    for step in range(600):
+        op, before = rng.integers(0, 6), kv.length
+        if op <= 2 or live == 0:                                   # a row writes a window
+            r = int(rng.integers(0, live + 1)) if live < rows else int(rng.integers(0, live))
+            live = max(live, r + 1)
+            start = int(rng.integers(max(0, int(kv.end[r]) - 5), int(kv.end[r]) + 1))
+            T = int(rng.integers(1, 40))
+            if start + T > CAP:
+                continue
+            kv.fit(start + T)
+            vals = rng.standard_normal((2 * layers, heads, T, hd)).astype(np.float32)
+            for j, a in enumerate(kv.keys + kv.values):
+                a[r, :, start:start + T] = vals[j]
+            ref[r, :, :, start:start + T] = vals
+            kv.written(r, np.array([start]), T)
+        elif op == 3 and live > 1:                                 # a row leaves, the last takes its place
+            gone, last = int(rng.integers(0, live - 1)), live - 1
+            n = int(kv.end[last])
+            kv.move_row(last, gone, n)
+            ref[gone] = ref[last]
+            live -= 1
+            kv.forget(live)
+        else:                                                      # a call that needs little: maybe a shrink
+            if op == 5 and rng.random() < 0.2:                     # every row left
+                live = 0
+                kv.forget(0)
+            kv.fit(1)
+        grew, shrank = grew + (kv.length > before), shrank + (kv.length < before)
+        check()
+    assert grew >= 5 and shrank >= 3, (grew, shrank)

@@ -22,6 +22,7 @@ before the next step.
 """
 from __future__ import annotations
 
+import ctypes
 import weakref
 from pathlib import Path
 
@@ -47,13 +48,17 @@ class BatchKV:
 
     grows=True (the "rows" graphs exported since 2026-12-06: the cache's position axis is
     symbolic and a call attends to every position it is given): length = the positions the
-    rows hold, rounded up to KV_BLOCK. `fit` reallocates it (copying what the rows hold) when a
-    call needs more, and when two blocks or more are unused (the rows that held the longest
-    contexts left: `forget`). A step then reads no position that no row uses, and copies none:
-    the fixed cache's graphs copied a prefix of every row, K and V, in every layer, every step
-    (ONNX Runtime has no strided views), which was most of a many-row step at long contexts.
-    A reallocation copies about what one such step copied, once per KV_BLOCK positions of
-    growth. `generation` counts reallocations: IO bindings over older arrays are stale.
+    rows hold, rounded up to KV_BLOCK. `fit` re-lays it out (each row's K/V moved to where the
+    new length puts it) when a call needs more, and when two blocks or more are unused (the
+    rows that held the longest contexts left: `forget`). A step then reads no position that no
+    row uses, and copies none: the fixed cache's graphs copied a prefix of every row, K and V,
+    in every layer, every step (ONNX Runtime has no strided views), which was most of a
+    many-row step at long contexts. Each layer's K and V live in one flat buffer of the
+    capacity (lazy pages), viewed as [rows, KVH, length, D]: a new length moves the rows'
+    K/V within it (about what one such step copied, once per KV_BLOCK positions of growth)
+    and maps no fresh memory (fresh pages are slow to fault in on a VM: a new map per
+    reallocation made a 930-token prompt's prefill x1.5 slower). `generation` counts
+    re-layouts: IO bindings over older views are stale.
 
     end[r]: past the last position written to row r (a high-water mark: a rewound row keeps it;
     a moved row's is the length moved; `forget` clears the rows the engine freed)."""
@@ -65,22 +70,36 @@ class BatchKV:
         self.end = np.zeros(rows, np.int64)
         self.generation = 0
         self.length = 0
-        self._listeners: list[weakref.WeakMethod] = []     # told at each reallocation (subscribe)
+        self._listeners: list[weakref.WeakMethod] = []     # told at each re-layout (subscribe)
+        # lazy: a row's pages are given as its positions are written (runtime/kv.py lazy_zeros)
+        self._flat = [lazy_zeros((rows * kv_heads * capacity * head_dim,), dtype) for _ in range(2 * layers)]
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
         self._allocate(min(KV_BLOCK, capacity) if grows else capacity)
 
-    def _allocate(self, length: int) -> None:
+    def _views(self, length: int) -> list[np.ndarray]:
         layers, kvh, hd = self._shape
-        shape = (self.rows, kvh, length, hd)
-        # lazy: a row's pages are given as its positions are written (runtime/kv.py lazy_zeros)
-        keys = [lazy_zeros(shape, self.dtype) for _ in range(layers)]
-        values = [lazy_zeros(shape, self.dtype) for _ in range(layers)]
-        for r in np.flatnonzero(self.end):      # each row to its own end: a short row's tail stays unpaged
-            n = min(int(self.end[r]), self.length, length)
-            for new, old in zip(keys + values, self.keys + self.values):
-                np.copyto(new[r, :, :n], old[r, :, :n])
-        self.keys, self.values, self.length = keys, values, length
+        return [f[:self.rows * kvh * length * hd].reshape(self.rows, kvh, length, hd) for f in self._flat]
+
+    def _allocate(self, length: int) -> None:
+        """View the buffers at `length` positions a row, each row's K/V (each head's block, to
+        the row's own end) moved to where the new view puts it, by memmove (a block may overlap
+        its old place). Longer: the last block first (each moves up, past where the blocks
+        before it still are); shorter: the first block first (each moves down)."""
+        layers, kvh, hd = self._shape
+        item = self.dtype.itemsize
+        moves = [((r * kvh + h) * self.length * hd * item, (r * kvh + h) * length * hd * item,
+                  min(int(self.end[r]), self.length, length) * hd * item)
+                 for r in map(int, np.flatnonzero(self.end)) for h in range(kvh)]
+        if length > self.length:
+            moves.reverse()
+        for f in self._flat:
+            base = f.ctypes.data
+            for src, dst, n in moves:
+                if src != dst and n:
+                    ctypes.memmove(base + dst, base + src, n)
+        new = self._views(length)
+        self.keys, self.values, self.length = new[:layers], new[layers:], length
         self.generation += 1
         for listener in list(self._listeners):
             method = listener()
