@@ -1,9 +1,11 @@
 """What the batched engine needs from a backend: one model's graphs over a cache of many rows.
 
-    cache   [rows, kv_heads, capacity, head_dim] per layer and K/V, allocated once
-            (rows = max_num_seqs). Row r holds one request; rows in use are kept contiguous
-            from 0 (the engine moves a row down when one before it leaves), so a step over n
-            rows binds the first n rows of the buffer, a view, no copy.
+    cache   [rows, kv_heads, length, head_dim] per layer and K/V (rows = max_num_seqs):
+            length = the capacity, allocated once, or (ONNX Runtime's "rows" graphs) the
+            positions the rows hold, re-laid out as that changes (ort_batch.py BatchKV; the
+            engine calls forget() with the first free row). Row r holds one request; rows in
+            use are kept contiguous from 0 (the engine moves a row down when one before it
+            leaves), so a step over n rows binds the first n rows of the buffer, a view, no copy.
 
     step(graph, tokens [n, T], starts [n], first_row, positions=None) -> logits [n, T, V]
             rows first_row..first_row+n-1; row i's tokens sit at positions starts[i]..+T-1,
