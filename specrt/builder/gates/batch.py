@@ -294,9 +294,19 @@ def invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
         short = together.step("step", toks, starts, 0, kv_len=L).copy()
         whole = together.step("step", toks, starts, 0, kv_len=shapes.kv_capacity).copy()
         delta = float(np.max(np.abs(short - whole)))
-        log.info("kv_len invariance: reading %d vs %d cache positions, max |delta| %.3g", L, shapes.kv_capacity,
-                 delta)
-        out["kv_len"] = {"lengths": [L, shapes.kv_capacity], "equal": delta == 0.0, "max_abs_logit_delta": delta}
+        # and a verify window (k + 1 tokens a row) at both lengths: a batch that speculates
+        # reads windows over a cache whose length the other rows set
+        W = shapes.k + 1
+        if int(starts.max()) + W <= shapes.kv_capacity:
+            win = np.repeat(toks, W, axis=1)
+            Lw = max(int(starts.max()) + W, int(together.cache.end.max()))
+            short_w = together.step("step", win, starts, 0, kv_len=Lw).copy()
+            whole_w = together.step("step", win, starts, 0, kv_len=shapes.kv_capacity).copy()
+            delta = max(delta, float(np.max(np.abs(short_w - whole_w))))
+        log.info("kv_len invariance: reading %d vs %d cache positions (one token and %d-token windows), "
+                 "max |delta| %.3g", L, shapes.kv_capacity, W, delta)
+        out["kv_len"] = {"lengths": [L, shapes.kv_capacity], "window": W, "equal": delta == 0.0,
+                         "max_abs_logit_delta": delta}
         out["equal"] = equal and delta == 0.0
     return out
 

@@ -54,6 +54,7 @@ def test_rows_records_one_token_steps_and_that_a_row_does_not_depend_on_the_cach
     assert inv["equal"] is True and inv["kv_len"]["equal"] is True          # reading more of the cache: the same
     from specrt.manifest import load
     assert inv["kv_len"]["lengths"][0] < inv["kv_len"]["lengths"][1] == load(tiny_batch_rows_engines).shapes.kv_capacity
+    assert inv["kv_len"]["window"] == load(tiny_batch_rows_engines).shapes.k + 1     # verify windows too
     costs = man["build"]["speculation"]["batch_costs_ms"]["target"]
     assert set(costs) == {"1", "2", "4"} and all(set(v) == {"1", "2", "4", "8"} for v in costs.values())
     with open_batch(tiny_batch_rows_engines, max_num_seqs=2) as g:
