@@ -393,3 +393,20 @@ def test_a_draft_model_with_its_own_cache_proposes_from_each_rows_own_tokens(ver
     widest = max(T for g, _, T, _ in draft.calls if g == "verify")
     # rows 10+ tokens behind caught up in calls wider than a window (any T), or in chunks of the graph's T
     assert (widest > K + 1) if not verify_t else widest == verify_t, widest
+
+
+def test_forked_samples_on_a_growing_cache_are_each_the_request_alone(tiny_batch_rows_engines):
+    """n samples of a prompt whose rows cross a cache block: the prompt's K/V is copied into a
+    row per sample (move_row sets each row's end) and the cache is re-laid out as the rows grow;
+    each sample equals the request alone with its own seed."""
+    from specrt.runtime.backends.ort_batch import KV_BLOCK
+    prompt = " ".join(f"w{i % 7} x{i % 5}" for i in range(10))
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=1) as g:
+        alone = [g.generate(prompt, max_new_tokens=NEW, ignore_eos=True,
+                            sampling=SamplingParams(temperature=1.0, seed=5 + i)).tokens for i in range(3)]
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=3) as g:
+        handles = g.submit_n(prompt, 3, max_new_tokens=NEW, ignore_eos=True,
+                             sampling=SamplingParams(temperature=1.0, seed=5))
+        got = [h.result(timeout=60).tokens for h in handles]
+        assert g.engine.target.max_kv_len > KV_BLOCK and g.engine.target.cache.generation > 1
+    assert got == alone
