@@ -5,7 +5,7 @@ each new row's first prefill (time, RSS growth) and warm 24-row steps at 150 and
     .venv/bin/python benchmarks/kv_memory.py artifacts/smollm2-int8row
 """
 import sys, time, statistics, numpy as np
-import specrt.runtime.backends.ort_batch as ob
+import specrt.runtime.backends.batch_kv as ob
 from specrt.runtime.batch.generator import open_batch
 def rss():
     for l in open('/proc/self/status'):

@@ -35,7 +35,7 @@ Per variant, what carries the rows' lengths:
 - "portable": a cache mask [B, 1, 1, M]: j < past_len[b], and the causal mask of the window.
 - "rows": M is symbolic ("kv_len"): the graph attends to every cache position it is given
   (masked per row, j <= past_len[b] + t), and the runtime binds a cache of just the positions
-  its rows use, rounded up to a block (runtime/backends/ort_batch.py BatchKV grows and shrinks
+  its rows use, rounded up to a block (runtime/backends/batch_kv.py BatchKV grows and shrinks
   it), so no call copies a prefix of a larger cache (ONNX Runtime has no strided views: a
   `Slice` of present[:, :, :L] copied L positions of every row, K and V, in every layer).
 

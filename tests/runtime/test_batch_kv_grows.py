@@ -1,4 +1,4 @@
-"""A growing batch cache (runtime/backends/ort_batch.py BatchKV, grows=True): the "rows" graphs
+"""A growing batch cache (runtime/backends/batch_kv.py BatchKV, grows=True): the "rows" graphs
 take a cache of just the positions the rows use, so the cache is reallocated as that changes.
 What must never happen: a row's K/V lost or changed by a reallocation, a row cut below what it
 holds, or a cache shorter than a call writes. Pure numpy: no graph."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specrt.errors import BackendError
-from specrt.runtime.backends.ort_batch import KV_BLOCK, BatchKV
+from specrt.runtime.backends.batch_kv import KV_BLOCK, BatchKV
 
 CAP = 5 * KV_BLOCK
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from specrt.runtime.backends.ort_batch import BatchKV
+from specrt.runtime.backends.batch_kv import BatchKV
 from specrt.runtime.kv import KVCache, lazy_zeros
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")

@@ -490,7 +490,7 @@ class BatchEngine(DraftRounds):
 
     def _free_rows(self) -> None:
         """Tell the caches which rows hold no request now: the running rows and the one being
-        prefilled are rows 0..live-1 (a growing cache, runtime/backends/ort_batch.py BatchKV,
+        prefilled are rows 0..live-1 (a growing cache, runtime/backends/batch_kv.py BatchKV,
         then keeps only the positions those hold)."""
         live = len(self.rows) + (self.pending is not None)
         self.target.cache.forget(live)

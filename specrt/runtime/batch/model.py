@@ -2,7 +2,7 @@
 
     cache   [rows, kv_heads, length, head_dim] per layer and K/V (rows = max_num_seqs):
             length = the capacity, allocated once, or (ONNX Runtime's "rows" graphs) the
-            positions the rows hold, re-laid out as that changes (ort_batch.py BatchKV; the
+            positions the rows hold, re-laid out as that changes (batch_kv.py BatchKV; the
             engine calls forget() with the first free row). Row r holds one request; rows in
             use are kept contiguous from 0 (the engine moves a row down when one before it
             leaves), so a step over n rows binds the first n rows of the buffer, a view, no copy.

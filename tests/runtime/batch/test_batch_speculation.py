@@ -134,7 +134,8 @@ def test_a_rows_call_reads_a_cache_of_what_its_rows_hold_in_blocks(tiny_batch_ro
     tests)."""
     from specrt.errors import BackendError
     from specrt.manifest import load
-    from specrt.runtime.backends.ort_batch import KV_BLOCK, OrtBatchModel
+    from specrt.runtime.backends.batch_kv import KV_BLOCK
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
     man = load(tiny_batch_rows_engines)
     m = OrtBatchModel(tiny_batch_rows_engines, man.models["batch"], man.shapes, rows=3, threads=2)
     cap = man.shapes.kv_capacity
@@ -163,7 +164,8 @@ def test_a_prompt_chunk_beside_longer_rows_runs_over_a_cache_of_its_own_with_the
     in, what it wrote copied back. Logits and the cache it leaves are the same bit for bit as the
     call over the whole shared cache (kv_len given: that path)."""
     from specrt.manifest import load
-    from specrt.runtime.backends.ort_batch import KV_BLOCK, OrtBatchModel
+    from specrt.runtime.backends.batch_kv import KV_BLOCK
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
     man = load(tiny_batch_rows_engines)
     m = OrtBatchModel(tiny_batch_rows_engines, man.models["batch"], man.shapes, rows=3, threads=2)
     cap = man.shapes.kv_capacity
@@ -216,7 +218,7 @@ def test_a_reallocation_drops_the_bindings_of_every_model_sharing_the_cache(tiny
 def test_rows_longer_than_a_cache_block_beside_short_ones_get_their_tokens_alone(tiny_batch_rows_engines, monkeypatch):
     """A long row makes every call read more than one KV_BLOCK of cache; the short rows beside
     it (and the long row itself) still get exactly their tokens alone, while speculating."""
-    from specrt.runtime.backends.ort_batch import KV_BLOCK
+    from specrt.runtime.backends.batch_kv import KV_BLOCK
     prompts = [" ".join(f"w{i % 7} x{i % 5}" for i in range(10)), "hello there", "to be or not to be"]
     with open_batch(tiny_batch_rows_engines, max_num_seqs=1, speculate=False) as g:
         alone = [g.generate(p, max_new_tokens=NEW).tokens for p in prompts]
@@ -399,7 +401,7 @@ def test_forked_samples_on_a_growing_cache_are_each_the_request_alone(tiny_batch
     """n samples of a prompt whose rows cross a cache block: the prompt's K/V is copied into a
     row per sample (move_row sets each row's end) and the cache is re-laid out as the rows grow;
     each sample equals the request alone with its own seed."""
-    from specrt.runtime.backends.ort_batch import KV_BLOCK
+    from specrt.runtime.backends.batch_kv import KV_BLOCK
     prompt = " ".join(f"w{i % 7} x{i % 5}" for i in range(10))
     with open_batch(tiny_batch_rows_engines, max_num_seqs=1) as g:
         alone = [g.generate(prompt, max_new_tokens=NEW, ignore_eos=True,
