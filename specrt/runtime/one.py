@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from specrt.runtime.batch.generator import check_batch_entry, batch_engine
+from specrt.runtime.batch.folder import check_batch_entry, batch_engine
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy
 from specrt.runtime.batch.request import Delta, Done, Request
 from specrt.runtime.methods import Method
