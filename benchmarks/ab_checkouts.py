@@ -11,7 +11,9 @@ samples (prompt i with seed i, the same in both checkouts): a change of the acce
 changes the tokens, so "identical" is then expected to say NO, and the acceptance column
 shows what the rule costs or gains. Used to show a refactor changed neither speed nor
 output (e.g. `git archive <rev> | tar -x -C /tmp/old`). --engine one-row: both checkouts run
-the folder's one-row graphs (SpeculativeGenerator(engine="one-row")), not its batched model.
+the folder's one-row graphs (SpeculativeGenerator(engine="one-row")), not its batched model;
+--old-engine one-row: only the old checkout does (the one-request loop before issue 27 against
+today's batch of one on the same folder).
 """
 from __future__ import annotations
 
@@ -68,11 +70,15 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sample, prompt i with seed i")
     ap.add_argument("--engine", choices=("auto", "one-row"), default="auto",
                     help="SpeculativeGenerator's engine= in both checkouts (one-row: the folder's one-row graphs)")
+    ap.add_argument("--old-engine", choices=("auto", "one-row"), default=None,
+                    help="the old checkout's engine= when it differs (e.g. one-row: the one-request loop a checkout "
+                         "before the batch of one ran, against the new checkout's default)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(a.new))
     from specrt.prompts import PROMPTS
     engines = str(Path(a.engines).resolve())
-    workers = {"old": Worker(a.old.resolve(), engines, a.engine), "new": Worker(a.new.resolve(), engines, a.engine)}
+    workers = {"old": Worker(a.old.resolve(), engines, a.old_engine or a.engine),
+               "new": Worker(a.new.resolve(), engines, a.engine)}
     texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
     for w in workers.values():                       # warm-up
         w.run(texts[0], 8, "plain"), w.run(texts[0], 8, "speculative")
