@@ -14,7 +14,7 @@ from specrt.errors import ConfigError
 from specrt.runtime import SamplingParams, SpeculativeGenerator
 from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, RoundKind
 from specrt.runtime.batch.request import Request, Row
-from specrt.runtime.costs import StepCosts, expected_tokens
+from specrt.runtime.costs import Acceptance, StepCosts, expected_tokens
 from specrt.runtime.proposers import Proposal
 
 PROMPTS = [[5, 6, 7], [40, 50, 60, 70, 80, 90, 100], list(range(10, 40))]
@@ -45,6 +45,60 @@ def test_a_draft_as_costly_as_the_target_falls_back_to_plain():
 def test_ties_prefer_the_shorter_round():
     c = StepCosts(decode=2.0, verify=1.0, draft=1.0)      # a=0: every k emits one token
     assert c.best_k(0.0, 4, allow_plain=False) == 1
+
+
+def test_a_position_no_round_reached_has_the_pooled_estimate():
+    """Before any verdict, and at positions past the longest round seen, E(k) is the geometric
+    series of the pooled mean (the i.i.d. model): shorter rounds never make longer ones look worse."""
+    a = Acceptance(0.8, 4.0, 0.9)
+    assert [a.expected(k) for k in range(5)] == pytest.approx([expected_tokens(a.mean, k) for k in range(5)])
+    for _ in range(6):
+        a.observe(1, 1)                              # rounds of one proposal, all accepted
+    assert a.at(1) == pytest.approx(a.mean) and a.at(3) == pytest.approx(a.mean)
+    assert a.at(0) > a.mean > 0.8
+
+
+@pytest.mark.parametrize("pattern, tokens", [([3], 4.0), ([2, 3], 3.5), ([1], 2.0), ([0, 4, 4, 4], 4.0)])
+def test_expected_tokens_are_what_the_rounds_emit(pattern, tokens):
+    """Rounds of 4 proposals with these accepted counts, repeated: E(4) from the positions'
+    estimates is the tokens such rounds emit on average (1 + accepted). The pooled mean's
+    geometric series is pulled down by the rejections that end rounds late: a draft right about
+    its first 3 proposals every time ([3]) would be worth 3.05 tokens a round, not 4, and lose to
+    plain steps it beats (the fp32 folder's self-draft, 2026-12-06)."""
+    a = Acceptance(0.8, 4.0, 0.9)
+    for _ in range(40):
+        for accepted in pattern:
+            a.observe(4, accepted)
+    assert a.expected(4) == pytest.approx(tokens, abs=0.25)
+    if pattern in ([3], [2, 3]):
+        assert expected_tokens(a.mean, 4) < tokens - 0.6
+
+
+def test_a_position_shorter_rounds_no_longer_reach_drifts_back_to_the_pooled_estimate():
+    a = Acceptance(0.8, 4.0, 0.9)
+    for _ in range(10):
+        a.observe(4, 3)                              # position 3 always rejected
+    assert a.at(3) < 0.25
+    for _ in range(40):
+        a.observe(2, 2)                              # then rounds of 2, all accepted
+    assert a.at(3) == pytest.approx(a.mean, abs=0.06) and a.at(3) > 0.85
+
+
+def test_a_draft_round_of_an_unmeasured_window_is_priced_between_the_measured_ones():
+    """The build measures T = 1, 2 and k + 1; a round of 2 proposals runs T = 3. Priced at the
+    nearest measured T (2, a pair round's cost), it looked cheap enough that a draft accepted 95%
+    of the time drafted 2 tokens a round where 4 paid (fp32 folder, 2026-12-06)."""
+    costs = BatchCosts({1: {1: 11.2}, 2: {1: 13.4}, 5: {1: 17.3}}, {1: 6.4})
+    assert costs.target(1, 3) == pytest.approx(13.4 + 3.9 / 3)
+    assert costs.target(1, 4) == pytest.approx(13.4 + 2 * 3.9 / 3)
+    assert costs.target(1, 7) == 17.3 and costs.target(1, 1) == 11.2      # beyond: the nearest measured
+    p = BatchPolicy(costs, K, draft=True, pair=False, priors={"draft": 0.8})
+    row = _row(p, 64)
+    for _ in range(30):
+        p.observe(row, RoundKind.DRAFT, 2, 2)
+        p.observe(row, RoundKind.DRAFT, 4, 4)
+    got = p.choose([row], lambda graph, want, n: want)
+    assert (got.kind, got.k, got.tokens) == (RoundKind.DRAFT, 4, 5), got
 
 
 # --- the engine's policy (runtime/batch/policy.py) on one row, as a batch of one runs it ------------

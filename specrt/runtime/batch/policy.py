@@ -9,17 +9,19 @@ A step runs every running row through one target pass of T tokens per row. Candi
 
 c(n, T): the target's measured step time over n rows of T tokens; d(n): a draft step over
 n rows (manifest `build.speculation.batch_costs_ms`, measured by the build; a folder's one-row
-graphs, run as a batch of one, have the one-row costs `costs_ms` at n = 1: batch/one_row.py). E(a, k) =
-(1 - a^(k+1)) / (1 - a), with each row's own acceptance estimate per proposer (a Beta
-with forgetting, runtime/costs.py). Guesses (prompt lookup, the 1-gram match, the
+graphs, run as a batch of one, have the one-row costs `costs_ms` at n = 1: batch/one_row.py);
+a T between two measured ones is priced linearly between them. E(a, k) = 1 + a_0 + a_0 a_1 +
+... + a_0...a_(k-1), each row's own estimates per proposer of the acceptance at each position
+of a round (Betas with forgetting, shrunk toward the proposer's pooled rate;
+runtime/costs.py Acceptance). Guesses (prompt lookup, the 1-gram match, the
 n-gram table) are per row. Which step runs changes only the speed: every row emits the
 target's own choices (runtime/choice.py), so greedy output equals the request run alone and a
 seeded sample is the same whatever the batch.
 
 A choice by rate gathers no evidence about a proposer it passes over, so the policy probes
-(`_probe`): a draft not run for a row's probe gap (64 plain steps) drafts one round (the gap
-doubles while the draft does not pay); lookup guesses passed over can be retried too (off by
-default: measured not to pay).
+(`_probe`): a draft not run for a row's probe gap (16 plain steps) drafts one round (the gap
+doubles while the draft does not pay, up to 256); a lookup guess passed over 4 times is
+verified once.
 
 Without measured batch costs the policy runs plain steps only (it cannot know what pays), or,
 with `fixed`, fixed-k rounds (one-row graphs whose build measured no costs, `adaptive=False`).
@@ -34,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrt.errors import ManifestError
-from specrt.runtime.costs import expected_tokens, manifest_cost, speculation_entry
+from specrt.runtime.costs import manifest_cost, speculation_entry
 from specrt.runtime.proposers.base import Proposer
 
 NONE = np.zeros(0, np.int64)
@@ -71,7 +73,8 @@ class StepChoice:
 class BatchCosts:
     """Step costs (ms) measured at some row counts; other counts interpolate linearly between
     the nearest measured ones (and extrapolate from the last two beyond them); a table of one
-    count scales in proportion to the rows (cost(n) = cost(m) * n / m).
+    count scales in proportion to the rows (cost(n) = cost(m) * n / m). Token counts between
+    two measured ones interpolate linearly too (`target`).
 
     target: {T: {n: ms}} for the target's passes; draft: {n: ms} for one draft step."""
 
@@ -104,9 +107,17 @@ class BatchCosts:
         return BatchCosts(self._target, _table(draft, where))
 
     def target(self, n: int, T: int) -> float:
+        """A pass of n rows of T tokens: between two measured T, linear in T (the build measures
+        T = 1, 2 and k + 1: a draft round of 2 tokens runs T = 3, which the nearest measured T
+        priced as a pair round and so chose k = 2 at any acceptance; on the fp32 folder a batch of
+        one drafted 2 where 4 paid, 2026-12-06); beyond them, the nearest one's cost."""
         Ts = sorted(self._target)
-        t = min(Ts, key=lambda x: (abs(x - T), -x))        # the nearest measured T (ties: the larger)
-        return _interp(self._target[t], n)
+        lo = max([x for x in Ts if x <= T], default=Ts[0])
+        hi = min([x for x in Ts if x >= T], default=Ts[-1])
+        if lo == hi:
+            return _interp(self._target[lo], n)
+        a, b = _interp(self._target[lo], n), _interp(self._target[hi], n)
+        return a + (b - a) * (T - lo) / (hi - lo)
 
     def draft(self, n: int) -> float | None:
         return _interp(self._draft, n) if self._draft else None
@@ -149,8 +160,8 @@ def _interp(by_n: dict[int, float], n: int) -> float:
 class BatchPolicy:
     def __init__(self, costs: BatchCosts | None, k_max: int, *, lookup: Proposer | None = None,
                  pair_guess: Proposer | None = None, draft: bool = False, priors: dict[str, float] | None = None,
-                 pair: bool = True, fixed: bool = False, cooldown: int = 64, max_cooldown: int = 1024,
-                 lookup_cooldown: int | None = None):
+                 pair: bool = True, fixed: bool = False, cooldown: int = 16, max_cooldown: int = 256,
+                 lookup_cooldown: int | None = 4):
         """lookup: prompt lookup (per row); pair_guess: the one-token guessers after lookup's own
         (the 1-gram match, the n-gram table); draft: a draft model is loaded; pair: the target can
         run a two-token decode step. fixed: no choice by cost (`_fixed`): every round drafts k_max
@@ -158,11 +169,11 @@ class BatchPolicy:
         shorter than two tokens), else a plain step; what a build that measured no costs runs on
         its one-row graphs, and `adaptive=False`. cooldown, max_cooldown, lookup_cooldown: how
         often proposers the rates pass over are tried anyway (`_probe`; lookup_cooldown None: lookup
-        guesses are not retried). The defaults are measured (2026-12-05, the 12 held-out prompts x
-        64 tokens, the batch of one): AdaptiveK's 16/256/4 cost x0.94 on the int4 folder (its draft
-        never pays, and retried lookup guesses rarely do) and gained nothing on fp32; a probe every
-        64 plain steps and no lookup retries cost nothing there and still bring a draft back on a
-        long answer."""
+        guesses are not retried). The defaults are the one-request loop's before issue 27
+        (AdaptiveK's), measured again with the per-position estimates (2026-12-06, a batch of one,
+        the 10 held-out prompts x 128 tokens, one interleaved run): against 64/1024/None x1.01 on
+        the fp32 folder, x1.07 on the int4 folder's one-row graphs, x1.01 on its batched model
+        (docs/speculation.md). 64/1024/None had been chosen with the pooled estimate."""
         self.costs, self.k_max, self.lookup, self.pair_guess = costs, k_max, lookup, pair_guess
         self.has_draft, self.has_pair, self.fixed = draft, pair, fixed
         self.cooldown, self.max_cooldown, self.lookup_cooldown = cooldown, max_cooldown, lookup_cooldown
@@ -187,17 +198,17 @@ class BatchPolicy:
             if any(len(o) for o in ones):
                 T = graph_t("decode", 2, n)
                 if T == 2:
-                    e = sum(expected_tokens(r.accept["pair"].mean, len(o)) for r, o in zip(rows, ones))
+                    e = sum(r.accept["pair"].expected(len(o)) for r, o in zip(rows, ones))
                     best = _better(best, StepChoice(RoundKind.PAIR, T, ones, rate=e / c.target(n, T)))
         if any(len(g) for g in guesses):
             T = graph_t("verify", 1 + max(len(g) for g in guesses), n)
-            e = sum(expected_tokens(r.accept["lookup"].mean, len(g)) for r, g in zip(rows, guesses))
+            e = sum(r.accept["lookup"].expected(len(g)) for r, g in zip(rows, guesses))
             best = _better(best, StepChoice(RoundKind.LOOKUP, T, guesses, rate=e / c.target(n, T)))
         d = c.draft(n) if self.has_draft else None
         if d is not None and any(rooms):
             for k in range(1, self.k_max + 1):
                 T = graph_t("verify", k + 1, n)
-                e = sum(expected_tokens(r.accept["draft"].mean, min(k, room)) for r, room in zip(rows, rooms))
+                e = sum(r.accept["draft"].expected(min(k, room)) for r, room in zip(rows, rooms))
                 best = _better(best, StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k,
                                                 rate=e / (k * d + c.target(n, T))))
         return self._probe(rows, rooms, guesses, best, graph_t, d)
@@ -232,7 +243,7 @@ class BatchPolicy:
             rates = []
             for k in range(1, self.k_max + 1):
                 T = graph_t("verify", k + 1, n)
-                e = sum(expected_tokens(r.accept["draft"].mean, min(k, room)) for r, room in zip(rows, rooms))
+                e = sum(r.accept["draft"].expected(min(k, room)) for r, room in zip(rows, rooms))
                 rates.append((e / (k * d + self.costs.target(n, T)), -k, k, T))    # ties: the shorter round
             _, _, k, T = max(rates)
             return StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k, probe=True)
@@ -278,10 +289,10 @@ class BatchPolicy:
         d = c.draft(1) if c is not None else None
         if d is None or "draft" not in row.accept:
             return True
-        a = row.accept["draft"].mean
+        a = row.accept["draft"]
         graph_t = getattr(self, "_graph_t", None) or (lambda graph, want, n: want)
         plain = 1.0 / c.target(1, graph_t("decode", 1, 1))
-        return any(expected_tokens(a, k) / (k * d + c.target(1, graph_t("verify", k + 1, 1))) > plain
+        return any(a.expected(k) / (k * d + c.target(1, graph_t("verify", k + 1, 1))) > plain
                    for k in range(1, self.k_max + 1))
 
     def _guess(self, seq, room: int) -> np.ndarray:
