@@ -174,15 +174,19 @@ def test_a_bad_stretch_moves_the_choice_to_plain_and_a_probe_comes_back():
 
 def test_in_a_batch_a_probe_waits_until_every_row_is_due():
     """A probe makes every row of the step pay for the draft's steps and the verify window, so in a
-    batch it runs only when every row that could draft is due (one row: AdaptiveK's rule)."""
+    batch it runs only when every row that could draft is due, each after n times its gap in a
+    batch of n (one row: AdaptiveK's rule)."""
     p, a = _policy(StepCosts(decode=5.6, verify=10.0, draft=8.3), prior=0.68, cooldown=4)
     b = _row(p, 64)
 
     def kind():
         return p.choose([a, b], _graph_t).kind.value
-    a.plain_run, b.plain_run = 4, 1
+    a.plain_run, b.plain_run = 8, 1
     assert kind() == "plain"
-    b.plain_run = 4
+    b.plain_run = 4                      # due alone, not in a batch of two
+    assert kind() == "plain"
+    assert p.choose([b], _graph_t).kind.value == "draft"
+    b.plain_run = 8
     assert kind() == "draft"
     b.budget = b.emitted + 1             # a row with no room to draft takes no part
     b.plain_run = 0
@@ -224,6 +228,18 @@ def test_a_lookup_guess_passed_over_a_few_times_is_tried_again():
         _observe(p, row, "lookup", 3, 0)
     rounds = [_choose(p, row)[0] for _ in range(4)]
     assert rounds == ["plain", "plain", "plain", "lookup"], rounds
+
+
+def test_in_a_batch_a_lookup_guess_passed_over_is_not_retried():
+    """A retried lookup guess would make every row of the batch pay a verify window for one
+    row's guess (int4 folder, 4 and 8 rows: x0.92-0.93 of plain steps, 2026-12-06)."""
+    p, row = _policy(StepCosts(decode=7.9, verify=12.1, draft=8.6), prior=0.68, lookup=3, lookup_prior=0.8,
+                     lookup_cooldown=3)
+    other = _row(p, 64)
+    for _ in range(8):
+        _observe(p, row, "lookup", 3, 0)
+        _observe(p, other, "lookup", 3, 0)
+    assert [p.choose([row, other], _graph_t).kind.value for _ in range(8)] == ["plain"] * 8
 
 
 def test_lookup_never_proposes_more_than_the_budget_allows():
