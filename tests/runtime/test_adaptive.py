@@ -74,6 +74,20 @@ def test_expected_tokens_are_what_the_rounds_emit(pattern, tokens):
         assert expected_tokens(a.mean, 4) < tokens - 0.6
 
 
+def test_the_policy_drafts_the_rounds_the_positions_say_pay():
+    """A draft right about its first 3 proposals and wrong about the 4th, round after round: the
+    positions say 3 tokens a round are nearly free (E(3) = 4), the pooled rate (0.75) would say
+    E(3) = 2.7 and draft 1 token a round. Flat 10 ms target passes, 6 ms draft steps."""
+    costs = BatchCosts({T: {1: 10.0} for T in range(1, K + 2)}, {1: 6.0})
+    p = BatchPolicy(costs, K, draft=True, pair=False, priors={"draft": 0.8})
+    row = _row(p, 64)
+    for _ in range(20):
+        p.observe(row, RoundKind.DRAFT, 4, 3)
+    assert row.accept["draft"].mean == pytest.approx(0.75, abs=0.03)
+    got = p.choose([row], lambda graph, want, n: want)
+    assert (got.kind, got.k) == (RoundKind.DRAFT, 3), got
+
+
 def test_a_position_shorter_rounds_no_longer_reach_drifts_back_to_the_pooled_estimate():
     a = Acceptance(0.8, 4.0, 0.9)
     for _ in range(10):

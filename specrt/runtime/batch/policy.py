@@ -10,10 +10,12 @@ A step runs every running row through one target pass of T tokens per row. Candi
 c(n, T): the target's measured step time over n rows of T tokens; d(n): a draft step over
 n rows (manifest `build.speculation.batch_costs_ms`, measured by the build; a folder's one-row
 graphs, run as a batch of one, have the one-row costs `costs_ms` at n = 1: batch/one_row.py);
-a T between two measured ones is priced linearly between them. E(a, k) = 1 + a_0 + a_0 a_1 +
-... + a_0...a_(k-1), each row's own estimates per proposer of the acceptance at each position
-of a round (Betas with forgetting, shrunk toward the proposer's pooled rate;
-runtime/costs.py Acceptance). Guesses (prompt lookup, the 1-gram match, the
+a T between two measured ones is priced linearly between them. E(a, k): for a draft, 1 + a_0 +
+a_0 a_1 + ... + a_0...a_(k-1) from the row's own estimates of the draft's acceptance at each
+position of a round (Betas with forgetting, shrunk toward its pooled rate; runtime/costs.py
+Acceptance); for lookup and pair guesses the geometric series (1 - a^(k+1)) / (1 - a) of the
+row's pooled rate per proposer (positions made lookup rounds look better than they were: the
+int4 folder's batch of one x0.92 against x0.98, 2026-12-06). Guesses (prompt lookup, the 1-gram match, the
 n-gram table) are per row. Which step runs changes only the speed: every row emits the
 target's own choices (runtime/choice.py), so greedy output equals the request run alone and a
 seeded sample is the same whatever the batch.
@@ -36,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrt.errors import ManifestError
-from specrt.runtime.costs import manifest_cost, speculation_entry
+from specrt.runtime.costs import expected_tokens, manifest_cost, speculation_entry
 from specrt.runtime.proposers.base import Proposer
 
 NONE = np.zeros(0, np.int64)
@@ -170,10 +172,11 @@ class BatchPolicy:
         its one-row graphs, and `adaptive=False`. cooldown, max_cooldown, lookup_cooldown: how
         often proposers the rates pass over are tried anyway (`_probe`; lookup_cooldown None: lookup
         guesses are not retried). The defaults are the one-request loop's before issue 27
-        (AdaptiveK's), measured again with the per-position estimates (2026-12-06, a batch of one,
-        the 10 held-out prompts x 128 tokens, one interleaved run): against 64/1024/None x1.01 on
-        the fp32 folder, x1.07 on the int4 folder's one-row graphs, x1.01 on its batched model
-        (docs/speculation.md). 64/1024/None had been chosen with the pooled estimate."""
+        (AdaptiveK's), measured again with per-position estimates (2026-12-06, a batch of one,
+        the 10 held-out prompts x 128 tokens, one interleaved run, lookup then also per position):
+        against 64/1024/None x1.01 on the fp32 folder, x1.07 on the int4 folder's one-row graphs,
+        x1.01 on its batched model (docs/speculation.md). 64/1024/None had been chosen with the
+        pooled estimate for the draft. In a batch, _probe waits longer (see there)."""
         self.costs, self.k_max, self.lookup, self.pair_guess = costs, k_max, lookup, pair_guess
         self.has_draft, self.has_pair, self.fixed = draft, pair, fixed
         self.cooldown, self.max_cooldown, self.lookup_cooldown = cooldown, max_cooldown, lookup_cooldown
@@ -198,11 +201,11 @@ class BatchPolicy:
             if any(len(o) for o in ones):
                 T = graph_t("decode", 2, n)
                 if T == 2:
-                    e = sum(r.accept["pair"].expected(len(o)) for r, o in zip(rows, ones))
+                    e = sum(expected_tokens(r.accept["pair"].mean, len(o)) for r, o in zip(rows, ones))
                     best = _better(best, StepChoice(RoundKind.PAIR, T, ones, rate=e / c.target(n, T)))
         if any(len(g) for g in guesses):
             T = graph_t("verify", 1 + max(len(g) for g in guesses), n)
-            e = sum(r.accept["lookup"].expected(len(g)) for r, g in zip(rows, guesses))
+            e = sum(expected_tokens(r.accept["lookup"].mean, len(g)) for r, g in zip(rows, guesses))
             best = _better(best, StepChoice(RoundKind.LOOKUP, T, guesses, rate=e / c.target(n, T)))
         d = c.draft(n) if self.has_draft else None
         if d is not None and any(rooms):
