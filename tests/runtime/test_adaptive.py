@@ -108,9 +108,10 @@ def test_a_draft_round_of_an_unmeasured_window_is_priced_between_the_measured_on
     assert costs.target(1, 7) == 17.3 and costs.target(1, 1) == 11.2      # beyond: the nearest measured
     p = BatchPolicy(costs, K, draft=True, pair=False, priors={"draft": 0.8})
     row = _row(p, 64)
-    for _ in range(30):
-        p.observe(row, RoundKind.DRAFT, 2, 2)
-        p.observe(row, RoundKind.DRAFT, 4, 4)
+    for _ in range(10):                          # 95% of a round's proposals accepted
+        for _ in range(19):
+            p.observe(row, RoundKind.DRAFT, 4, 4)
+        p.observe(row, RoundKind.DRAFT, 4, 2)
     got = p.choose([row], lambda graph, want, n: want)
     assert (got.kind, got.k, got.tokens) == (RoundKind.DRAFT, 4, 5), got
 
@@ -205,6 +206,27 @@ def test_in_a_batch_a_probe_waits_until_every_row_is_due():
     b.budget = b.emitted + 1             # a row with no room to draft takes no part
     b.plain_run = 0
     assert kind() == "draft"
+
+
+def test_a_draft_that_pays_alone_but_not_in_the_batch_backs_off_there():
+    """The probe's verdict prices the draft at the step's row count: verify windows over 4 rows
+    cost about twice a plain step (fp32 folder), so a draft that pays for one row does not for
+    four, and its probes there come ever more rarely. A draft round the rates chose is not a
+    probe, whatever the row's plain run."""
+    costs = BatchCosts({1: {1: 11.2, 4: 15.6}, 2: {1: 13.4, 4: 22.6}, 5: {1: 17.3, 4: 32.8}}, {1: 6.4, 4: 14.0})
+    p = BatchPolicy(costs, K, draft=True, pair=False, priors={"draft": 0.9})
+    row = _row(p, 64)
+    for _ in range(20):
+        p.observe(row, RoundKind.DRAFT, 4, 4, probe=False)
+    assert p._draft_pays(row, 1) and not p._draft_pays(row, 4)
+    row.plain_run = 64
+    p.observe(row, RoundKind.DRAFT, 3, 3, probe=True, rows=4)
+    assert row.probe_gap == 32                   # doubled from 16: probed, and it does not pay here
+    row.plain_run = 64
+    p.observe(row, RoundKind.DRAFT, 3, 3, probe=False, rows=4)
+    assert row.probe_gap == 32                   # chosen by rate: no verdict on the gap
+    p.observe(row, RoundKind.DRAFT, 3, 3, probe=True, rows=1)
+    assert row.probe_gap == 16                   # alone it pays: the gap resets
 
 
 def test_the_probes_verdict_prices_a_draft_round_as_the_choice_does():

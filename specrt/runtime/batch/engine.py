@@ -385,7 +385,7 @@ class BatchEngine(DraftRounds):
                 # the draft's own cache keeps K/V of seq[:length + 1] and of the proposals it fed
                 # after the first (draft_len = length + len(p)); only the accepted ones stay valid
                 row.draft_len = min(row.draft_len, row.length + 1 + accepted)
-            self.policy.observe(row, choice.kind, len(p), accepted)
+            self.policy.observe(row, choice.kind, len(p), accepted, probe=choice.probe, rows=n)
             row.metrics.record_iteration(len(p), accepted)
             row.metrics.pair_rounds += choice.kind is RoundKind.PAIR
             row.metrics.lookup_rounds += choice.kind is RoundKind.LOOKUP and len(p) > 0

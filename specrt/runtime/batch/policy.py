@@ -172,11 +172,12 @@ class BatchPolicy:
         its one-row graphs, and `adaptive=False`. cooldown, max_cooldown, lookup_cooldown: how
         often proposers the rates pass over are tried anyway (`_probe`; lookup_cooldown None: lookup
         guesses are not retried). The defaults are the one-request loop's before issue 27
-        (AdaptiveK's), measured again with per-position estimates (2026-12-06, a batch of one,
-        the 10 held-out prompts x 128 tokens, one interleaved run, lookup then also per position):
-        against 64/1024/None x1.01 on the fp32 folder, x1.07 on the int4 folder's one-row graphs,
-        x1.01 on its batched model (docs/speculation.md). 64/1024/None had been chosen with the
-        pooled estimate for the draft. In a batch, _probe waits longer (see there)."""
+        (AdaptiveK's). Measured against 64/1024/None with per-position estimates for every
+        proposer (2026-12-06, a batch of one, the 10 held-out prompts x 128 tokens, one
+        interleaved run; lookup has since gone back to its pooled rate, not measured again):
+        x1.01 on the fp32 folder, x1.07 on the int4 folder's one-row graphs, x1.01 on its batched
+        model. 64/1024/None had been chosen with the pooled estimate for the draft. In a batch,
+        _probe waits longer (see there)."""
         self.costs, self.k_max, self.lookup, self.pair_guess = costs, k_max, lookup, pair_guess
         self.has_draft, self.has_pair, self.fixed = draft, pair, fixed
         self.cooldown, self.max_cooldown, self.lookup_cooldown = cooldown, max_cooldown, lookup_cooldown
@@ -273,15 +274,20 @@ class BatchPolicy:
             return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + max(len(g) for g in guesses), n), guesses)
         return plain
 
-    def observe(self, row, kind: RoundKind, k: int, accepted: int) -> None:
-        """A row's verdict: k tokens proposed by `kind`'s proposer, `accepted` of them kept."""
+    def observe(self, row, kind: RoundKind, k: int, accepted: int, *, probe: bool | None = None,
+                rows: int = 1) -> None:
+        """A row's verdict: k tokens proposed by `kind`'s proposer, `accepted` of them kept, in a
+        step of `rows` rows; probe: whether the round was a probe (StepChoice.probe; None: a
+        draft round after the row's gap counts as one)."""
         if kind in (RoundKind.PLAIN, RoundKind.PAIR):
             row.plain_run += 1               # no evidence about the draft
         if kind is not RoundKind.PLAIN and k:
             row.accept[kind.value].observe(k, accepted)
         if kind is RoundKind.DRAFT:
-            probe, row.plain_run = row.plain_run >= self._gap(row), 0
-            if self._draft_pays(row):
+            if probe is None:
+                probe = row.plain_run >= self._gap(row)
+            row.plain_run = 0
+            if self._draft_pays(row, rows):
                 row.probe_gap = self.cooldown
             elif probe:                      # probed and the draft still does not pay: wait longer
                 row.probe_gap = min(2 * self._gap(row), self.max_cooldown)
@@ -289,16 +295,17 @@ class BatchPolicy:
     def _gap(self, row) -> int:
         return self.cooldown if row.probe_gap is None else row.probe_gap
 
-    def _draft_pays(self, row) -> bool:
-        """Would the draft beat a plain step for this row alone, at its best k?"""
+    def _draft_pays(self, row, n: int = 1) -> bool:
+        """Would the draft beat a plain step for this row in a step of n rows, at its best k?
+        (Priced at n: a draft that pays alone but not in the batch backs off there.)"""
         c = self.costs
-        d = c.draft(1) if c is not None else None
+        d = c.draft(n) if c is not None else None
         if d is None or "draft" not in row.accept:
             return True
         a = row.accept["draft"]
         graph_t = getattr(self, "_graph_t", None) or (lambda graph, want, n: want)
-        plain = 1.0 / c.target(1, graph_t("decode", 1, 1))
-        return any(a.expected(k) / (k * d + c.target(1, graph_t("verify", k + 1, 1))) > plain
+        plain = 1.0 / c.target(n, graph_t("decode", 1, n))
+        return any(a.expected(k) / (k * d + c.target(n, graph_t("verify", k + 1, n))) > plain
                    for k in range(1, self.k_max + 1))
 
     def _guess(self, seq, room: int) -> np.ndarray:
