@@ -191,7 +191,7 @@ def test_in_a_batch_a_probe_waits_until_every_row_is_due():
     """A probe makes every row of the step pay for the draft's steps and the verify window, so in a
     batch it runs only when every row that could draft is due, each after n times its gap in a
     batch of n (one row: AdaptiveK's rule)."""
-    p, a = _policy(StepCosts(decode=5.6, verify=10.0, draft=8.3), prior=0.68, cooldown=4)
+    p, a = _policy(StepCosts(decode=5.6, verify=10.0, draft=3.0), prior=0.68, cooldown=4)
     b = _row(p, 64)
 
     def kind():
@@ -456,8 +456,21 @@ def test_backend_options_the_backend_does_not_take_are_a_config_error(tiny_engin
         SpeculativeGenerator(tiny_engines, backend_options={"cuda_graphs": False})
 
 
+def test_a_draft_that_could_not_pay_even_if_always_right_is_never_probed():
+    """An int4 target's int8 self-draft: a draft step costs more than a plain step, so no
+    acceptance makes a draft round pay, and a probe is pure cost."""
+    p, row = _policy(StepCosts(decode=5.6, verify=10.0, draft=8.3), prior=0.68, cooldown=16)
+    kinds = set()
+    for _ in range(700):
+        how, k = _choose(p, row)
+        _observe(p, row, how, k, 0)
+        kinds.add(how)
+    assert kinds == {"plain"}, kinds
+
+
 def test_probes_of_a_draft_that_never_pays_come_ever_more_rarely_and_reset_when_it_pays():
-    p, row = _policy(StepCosts(decode=5.6, verify=10.0, draft=8.3), prior=0.68, cooldown=16, max_cooldown=128)
+    """A draft that would pay at a high acceptance but whose every token is rejected."""
+    p, row = _policy(StepCosts(decode=5.6, verify=10.0, draft=3.0), prior=0.68, cooldown=16, max_cooldown=128)
     probes = []
     for i in range(700):
         how, k = _choose(p, row)
