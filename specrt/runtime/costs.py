@@ -135,11 +135,16 @@ class Acceptance:
 
     def expected(self, k: int) -> float:
         """Tokens a round of k proposals emits in expectation: 1 + sum_j prod_{i<=j} at(i)."""
-        e, p = 1.0, 1.0
+        return self.expected_upto(k)[k]
+
+    def expected_upto(self, k: int) -> list[float]:
+        """[E(0), E(1), ..., E(k)] in one pass (the policy weighs every k each step)."""
+        out, e, p = [1.0], 1.0, 1.0
         for j in range(k):
             p *= self.at(j)
             e += p
-        return e
+            out.append(e)
+        return out
 
     def observe(self, k: int, accepted: int) -> None:
         # the first rejection ends the round: `accepted` successes, then one failure if any

@@ -210,9 +210,10 @@ class BatchPolicy:
             best = _better(best, StepChoice(RoundKind.LOOKUP, T, guesses, rate=e / c.target(n, T)))
         d = c.draft(n) if self.has_draft else None
         if d is not None and any(rooms):
+            es = _draft_expected(rows, rooms)
             for k in range(1, self.k_max + 1):
                 T = graph_t("verify", k + 1, n)
-                e = sum(r.accept["draft"].expected(min(k, room)) for r, room in zip(rows, rooms))
+                e = sum(E[min(k, room)] for E, room in zip(es, rooms))
                 best = _better(best, StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k,
                                                 rate=e / (k * d + c.target(n, T))))
         return self._probe(rows, rooms, guesses, best, graph_t, d)
@@ -249,9 +250,10 @@ class BatchPolicy:
         if d is not None and best.kind in (RoundKind.PLAIN, RoundKind.PAIR) and due and all(due) \
                 and self._draft_can_pay(n, d, graph_t):
             rates = []
+            es = _draft_expected(rows, rooms)
             for k in range(1, self.k_max + 1):
                 T = graph_t("verify", k + 1, n)
-                e = sum(r.accept["draft"].expected(min(k, room)) for r, room in zip(rows, rooms))
+                e = sum(E[min(k, room)] for E, room in zip(es, rooms))
                 rates.append((e / (k * d + self.costs.target(n, T)), -k, k, T))    # ties: the shorter round
             _, _, k, T = max(rates)
             return StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k, probe=True)
@@ -324,6 +326,11 @@ class BatchPolicy:
 
     def _one(self, seq) -> np.ndarray:
         return self.pair_guess.propose(seq, 1).tokens.copy() if self.pair_guess is not None else NONE
+
+
+def _draft_expected(rows, rooms) -> list[list[float]]:
+    """Per row, E(0..room) of a draft round (runtime/costs.py Acceptance.expected_upto)."""
+    return [r.accept["draft"].expected_upto(room) for r, room in zip(rows, rooms)]
 
 
 def _better(a: StepChoice, b: StepChoice) -> StepChoice:
