@@ -29,7 +29,9 @@ before; callers keep the LM head's rows >= the manifest's min_rows (builder/gate
 Per variant, what carries the rows' lengths:
 - "gqa": GroupQueryAttention's seqlens_k [B] int32 = past_len + T - 1 (row b's total length
   minus one) and total_sequence_length = max_b past_len[b] + T (or the constant M with
-  static_total, for CUDA-graph capture); rotary positions come from seqlens_k per row.
+  static_total, for CUDA-graph capture); rotary positions come from seqlens_k per row. With
+  grow_cache (the int8 self-draft's one-token graph beside a "rows" step graph) M is symbolic
+  as in "rows": the op reads each row's own length, whatever the bound cache's length.
 - "standard": TensorScatter's write_indices = past_len [B] (row b's new K/V at its own
   offset) and an Attention mask [B, 1, T, M]: j <= past_len[b] + t.
 - "portable": a cache mask [B, 1, 1, M]: j < past_len[b], and the causal mask of the window.
@@ -68,7 +70,13 @@ class BatchedDecoder(StaticDecoder):
     tokens: an int (static T) or "dynamic" (symbolic "tokens": one graph for prefill chunks,
     decode and verify windows)."""
 
-    def __init__(self, spec, dims, sd, *, batch: int | str, tokens: int | str, kv_capacity: int, **kw):
+    def __init__(self, spec, dims, sd, *, batch: int | str, tokens: int | str, kv_capacity: int,
+                 grow_cache: bool | None = None, **kw):
+        """grow_cache: the cache's position axis is symbolic ("kv_len": the runtime binds the
+        positions its rows use, runtime/backends/batch_kv.py); default: "rows" graphs only. A
+        "gqa" graph may take such a cache too (the int8 self-draft's one-token steps over a
+        "rows" target's cache: GroupQueryAttention reads each row's own length, whatever L is,
+        and writes in place when present is bound to past)."""
         for name, v in (("batch", batch), ("tokens", tokens)):
             assert v == DYNAMIC or (isinstance(v, int) and v >= 1), (name, v)
         super().__init__(spec, dims, sd, tokens=tokens if tokens != DYNAMIC else TRACE_TOKENS,
@@ -76,6 +84,10 @@ class BatchedDecoder(StaticDecoder):
         if self.attention == "portable" and any(layer.window is not None for layer in self.layers):
             raise ExportError("the model has sliding-window layers, which the batched portable graph does not "
                               "export: build with --attention gqa (the default) or standard")
+        self.grow_cache = self.attention == "rows" if grow_cache is None else grow_cache
+        if self.grow_cache and (self.attention not in ("rows", "gqa") or self.static_total):
+            raise ExportError(f"a cache of symbolic length is exported for 'rows' and 'gqa' (without a static total "
+                              f"length) graphs, not attention={self.attention!r}")
         self.B, self.T = batch, tokens
         del self.causal, self.step_pos      # built in the graph from T (which may be symbolic)
 
@@ -85,17 +97,17 @@ class BatchedDecoder(StaticDecoder):
         T = TRACE_TOKENS if self.T == DYNAMIC else self.T
         return (torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                 torch.zeros(B, TRACE_POSITIONS, dtype=torch.int64),
-                *[torch.zeros(B, d.kv_heads, TRACE_KV if self.attention == "rows" else self.M, d.head_dim,
+                *[torch.zeros(B, d.kv_heads, TRACE_KV if self.grow_cache else self.M, d.head_dim,
                               dtype=self.dtype) for _ in range(2 * d.layers)])
 
     def dynamic_shapes(self) -> tuple:
         """input_ids {0: batch, 1: tokens}, past_len {0: batch}, logit_pos {0: batch, 1:
-        positions}, caches {0: batch} ("rows": {0: batch, 2: kv_len}): named dims, so the ONNX
+        positions}, caches {0: batch} (grow_cache: {0: batch, 2: kv_len}): named dims, so the ONNX
         graph's inputs and outputs read [batch, tokens] / [batch, 3, M, 64]. P is symbolic even
         in a static bucket."""
         b = {0: BATCH_DIM} if self.B == DYNAMIC else {}
         t = {1: TOKENS_DIM} if self.T == DYNAMIC else {}
-        kv = {**b, 2: KV_DIM} if self.attention == "rows" else dict(b)
+        kv = {**b, 2: KV_DIM} if self.grow_cache else dict(b)
         # structured as forward's parameters: input_ids, past_len, logit_pos, then *past as one tuple
         return ({**b, **t}, dict(b), {**b, 1: POSITIONS_DIM}, tuple(dict(kv) for _ in range(2 * self.dims.layers)))
 

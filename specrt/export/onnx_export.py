@@ -38,7 +38,8 @@ def graph_tokens(shapes: mf.Shapes) -> dict[str, int]:
 
 def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: int | None = None,
                  attention: str = "portable", precision: str = "fp32", static_total: bool = False,
-                 batch: int | str | None = None, hidden_layers: tuple[int, ...] = ()) -> StaticDecoder:
+                 batch: int | str | None = None, hidden_layers: tuple[int, ...] = (),
+                 grow_cache: bool | None = None) -> StaticDecoder:
     """batch None: today's one-row graph (graph.py). batch an int or "dynamic": the per-row
     contract of export/batch.py, where tokens may be "dynamic" too."""
     if batch is None and attention in BATCHED_ONLY:
@@ -51,7 +52,7 @@ def build_module(lm: LoadedModel, tokens: int | str, kv_capacity: int, layers: i
         return StaticDecoder(lm.spec, dims, lm.model.state_dict(), tokens=tokens, hidden_layers=hidden_layers,
                              **kw).eval()
     return BatchedDecoder(lm.spec, dims, lm.model.state_dict(), batch=batch, tokens=tokens,
-                          hidden_layers=hidden_layers, **kw).eval()
+                          hidden_layers=hidden_layers, grow_cache=grow_cache, **kw).eval()
 
 
 def _replace_layers(dims, layers):
@@ -136,7 +137,8 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
 def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("prefill", "decode", "verify"),
                  layers: int | None = None, attention: str = "portable", precision: str = "fp32",
                  static_total: bool = False, progress=None, batch: int | str | None = None,
-                 tokens: dict[str, int | str] | None = None, hidden_layers: tuple[int, ...] = ()) -> dict:
+                 tokens: dict[str, int | str] | None = None, hidden_layers: tuple[int, ...] = (),
+                 graph_attention: dict[str, str] | None = None) -> dict:
     """Export `graphs` of one model into out_dir (graph files + weights.bin). Returns the
     manifest fragment: graphs, weights index, dims.
 
@@ -149,8 +151,17 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     {"step": "dynamic"} is one graph for prefill chunks, decode and verify (batched only).
     hidden_layers: the graphs also return `hidden_states` [B, T, len * hidden] fp32 (B = 1 in the
     one-row graphs), those decoder layers' outputs side by side at every position of the window
-    (for trained draft heads: heads/), recorded as dims["hidden_layers"]."""
+    (for trained draft heads: heads/), recorded as dims["hidden_layers"].
+    graph_attention (batched only): graph -> its attention instead of `attention`, over the same
+    cache (the same layout and in-place update; a symbolic length where `attention` has one),
+    recorded as part["graph_attention"]: the int8 self-draft's one-token "gqa" steps beside a
+    "rows" step graph (builder/gates/batch.py)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    graph_attention = dict(graph_attention or {})
+    if graph_attention and (batch is None or any(
+            (a in IN_PLACE) != (attention in IN_PLACE) for a in graph_attention.values())):
+        raise ExportError(f"graph_attention={graph_attention} with attention={attention!r}: per-graph attention is for "
+                          "batched graphs that update the same cache the same way")
     if tokens is not None:
         if batch is None and DYNAMIC in tokens.values():
             raise ExportError("tokens='dynamic' needs the per-row contract: pass batch=<int> or batch='dynamic'")
@@ -160,8 +171,9 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     with tempfile.TemporaryDirectory(prefix="specrt-export-") as tmp:
         for g in graphs:
             t0 = time.perf_counter()
-            module = build_module(lm, tokens[g], shapes.kv_capacity, layers, attention, precision, static_total,
-                                  batch, tuple(hidden_layers))
+            module = build_module(lm, tokens[g], shapes.kv_capacity, layers, graph_attention.get(g, attention),
+                                  precision, static_total, batch, tuple(hidden_layers),
+                                  grow_cache=(attention == "rows") if g in graph_attention else None)
             fused[g] = export_graph(module, Path(tmp) / f"{g}.onnx")
             protos[g] = onnx.load(str(Path(tmp) / f"{g}.onnx"))
             timings[g] = round(time.perf_counter() - t0, 1)
@@ -175,5 +187,5 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
             "kv_dtype": KV_DTYPE[precision],
             **({"total_sequence_length": "static"} if static_total and attention == "gqa" else {}),
             **({"batch": batch} if batch is not None else {}),
-
+            **({"graph_attention": {g: a for g, a in graph_attention.items() if g in graphs}} if graph_attention else {}),
             **({"fusions": fused} if any(fused.values()) else {})}

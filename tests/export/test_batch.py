@@ -184,6 +184,38 @@ def test_a_static_batch_bucket_has_fixed_shapes_and_the_same_rows(llama, exports
         np.testing.assert_array_equal(g, w)
 
 
+def test_a_gqa_draft_graph_beside_rows_reads_a_cache_of_any_length_as_the_one_row_graph(llama, exports, tmp_path):
+    """The batched int8 self-draft's graph (builder/gates/batch.py): one token a row through
+    GroupQueryAttention, over the "rows" step graph's cache, whose length is symbolic (the
+    runtime binds the positions its rows use, not the capacity). Each row's logits and the K/V
+    it writes are the one-row gqa decode graph's, reading the whole capacity, bit for bit."""
+    one_dir = exports["gqa"][0]
+    part = onnx_export.export_model(llama[1], SHAPES, tmp_path, attention="rows", batch="dynamic",
+                                    tokens={"step": "dynamic", "draft": 1}, graph_attention={"draft": "gqa"})
+    assert part["graph_attention"] == {"draft": "gqa"} and part["attention"] == "rows"
+    draft = _session(tmp_path / "draft.onnx")
+    assert [i.shape[2] for i in draft.sess.get_inputs()[3:]] == ["kv_len"] * 2 * LAYERS
+    ids, caches = _random_rows(len(LENS), 1)
+    L = 64                                                   # < the capacity, 80; > every row's length
+    got = draft.run(None, _feeds(ids, LENS, [np.ascontiguousarray(c[:, :, :L]) for c in caches]))
+    one = _session(one_dir / "decode.onnx")
+    for b in range(len(LENS)):
+        want = one.run(None, _feeds(ids[b:b + 1], LENS[b:b + 1], [c[b:b + 1] for c in caches]))
+        np.testing.assert_array_equal(got[0][b], want[0][0], err_msg=f"row {b}: logits")
+        for j, (g, w) in enumerate(zip(got[1:], want[1:])):
+            np.testing.assert_array_equal(g[b][:, :LENS[b] + 1], w[0][:, :LENS[b] + 1], err_msg=f"row {b}: cache {j}")
+
+
+def test_per_graph_attention_must_update_the_cache_as_the_model_does(llama, tmp_path):
+    from specrt.errors import ExportError
+    with pytest.raises(ExportError, match="same cache the same way"):
+        onnx_export.export_model(llama[1], SHAPES, tmp_path, attention="rows", batch="dynamic",
+                                 tokens={"step": "dynamic", "draft": 1}, graph_attention={"draft": "portable"})
+    with pytest.raises(ExportError, match="symbolic length"):
+        onnx_export.build_module(llama[1], 1, SHAPES.kv_capacity, attention="standard", batch="dynamic",
+                                 grow_cache=True)
+
+
 def test_dynamic_tokens_needs_the_per_row_contract(llama, tmp_path):
     from specrt.errors import ExportError
     with pytest.raises(ExportError, match="batch="):

@@ -47,9 +47,12 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     rowwise = cfg.batch_prefill_graph == "rowwise"
     attention = batch_attention(cfg, target_part)
     draft = draft_spec(cfg, attention)
+    draft_attention = draft_graph_attention(attention, target_part) if draft is not None else None
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise and draft is None else "_batch_fp32")
     part = onnx_export.export_model(tgt, shapes, src, attention=attention, batch="dynamic",
-                                    tokens={"step": "dynamic"}, hidden_layers=tuple(cfg.hidden_layers))
+                                    tokens={"step": "dynamic", **({"draft": 1} if draft_attention else {})},
+                                    hidden_layers=tuple(cfg.hidden_layers),
+                                    graph_attention={"draft": draft_attention} if draft_attention else None)
     if cfg.precision != "fp32" or rowwise or draft is not None:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
         # graph once more as "prefill", int8 per channel; with an int8 self-draft, once more as
@@ -57,7 +60,8 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
         specs = {"step": quantize.QuantSpec(**cfg.batch_quantization) if cfg.precision != "fp32" else None,
                  **({"prefill": quantize.QuantSpec("rowwise")} if rowwise else {}),
                  **({"draft": draft} if draft is not None else {})}
-        q = quantize.quantize_graphs(src, part, tmp / "batch", tuple(specs), specs, source={g: "step" for g in specs})
+        q = quantize.quantize_graphs(src, part, tmp / "batch", tuple(specs), specs,
+                                     source={g: g if g in part["graphs"] else "step" for g in specs})
         part = {**part, **{k: q[k] for k in ("graphs", "weights")}}
         if quantize.odd_rows_round_apart(cfg.batch_quantization):
             part["row_multiple"] = 2
@@ -72,7 +76,10 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
                                    **quantize.QuantSpec("rowwise").describe()}
     if draft is not None:
         source["draft_graph"] = {"runs": "the int8 self-draft's steps inside a batch (shared cache: the verify "
-                                         "pass overwrites what it writes)", **draft.describe()}
+                                         "pass overwrites what it writes)", **draft.describe(),
+                                 "attention": draft_attention or attention,
+                                 **({"tokens": "one a row (GroupQueryAttention; what a draft proposes never changes "
+                                               "a row's tokens, runtime/choice.py)"} if draft_attention else {})}
     part.update(subdir="batch", family=target_part["family"], precision=target_part["precision"], source=source,
                 kv={**target_part["kv"], "update": part["kv_update"], **cache_length(attention, shapes)})
     inv = invariance(tmp, part, shapes, prompts)
@@ -143,6 +150,17 @@ def draft_spec(cfg, attention: str):
     if attention == "gqa" or cfg.draft_vocab is not None:
         return None
     return {"int8": SPECS["blockwise"], "int8-dynamic": SPECS["dynamic"]}.get(cfg.draft_kind)
+
+
+def draft_graph_attention(attention: str, target_part: dict) -> str | None:
+    """The attention of the batched int8 self-draft's graph when it differs from the step
+    graph's: "gqa" beside a "rows" step graph whose target attends with GroupQueryAttention
+    (ONNX Runtime). A draft step is one token a row, which GroupQueryAttention runs in several
+    rows, fused (about a third of the rows graph's nodes: measured x0.87-1.0 a call at one row,
+    2026-12-06), and its numbers need no invariance: the target verifies every guess, and a
+    row's tokens are a function of the target's logits alone (runtime/choice.py). None: the
+    draft graph is the step graph quantized."""
+    return "gqa" if attention == "rows" and target_part.get("attention") == "gqa" else None
 
 
 def export_draft(cfg, dm, layers: int | None, tmp: Path, batch_part: dict, draft_part: dict, prompts) -> dict | None:

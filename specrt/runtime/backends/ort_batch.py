@@ -72,7 +72,10 @@ class OrtBatchModel:
         # the batched model of `specrt build --batch` has one graph, "step", with a symbolic T: it
         # serves the engine's prefill chunks, decode steps and verify windows alike; with
         # `--batch-prefill rowwise` a second graph, "prefill" (int8 weights), runs prompt chunks
-        alias = {g: serves for g in ALIASES if g not in names} if serves in names else {}
+        # (the int8 self-draft's graph, serves="draft", runs one-token decode steps only: it may
+        # have a static T of 1)
+        alias = {g: serves for g in (ALIASES if serves != "draft" else ("decode",)) if g not in names} \
+            if serves in names else {}
         self.graph_tokens = {g: int(entry.graphs[g].tokens) if not getattr(entry.graphs[g], "dynamic_tokens", False)
                              else 0 for g in names}
         self.graph_tokens.update({a: self.graph_tokens[s] for a, s in alias.items()})
@@ -128,7 +131,7 @@ class OrtBatchModel:
             self.cache.subscribe(self._cache_reallocated)
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
-        self.multi_token_rows = 1 if self._attention(root, entry) == "gqa" else None
+        self.multi_token_rows = 1 if self._attention(root, entry, names) == "gqa" else None
         t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2) + spare
         V = int(d["vocab"])
         R = rows + spare
@@ -150,9 +153,11 @@ class OrtBatchModel:
         self._alone: list[np.ndarray] = []     # a one-row call's own cache (_alone_views), made at first use
 
     @staticmethod
-    def _attention(root: Path, entry: ModelEntry) -> str:
-        """The graphs' attention variant, read off the graph: "gqa" when it has GroupQueryAttention."""
-        g = next(iter(entry.graphs.values()))
+    def _attention(root: Path, entry: ModelEntry, names: tuple[str, ...] | None = None) -> str:
+        """The attention variant of the graphs `names` (default: the entry's first), read off the
+        first of them: "gqa" when it has GroupQueryAttention (the batched int8 self-draft's
+        graph may, beside a "rows" step graph)."""
+        g = entry.graphs[names[0]] if names else next(iter(entry.graphs.values()))
         model = onnx.load(str(root / g.file), load_external_data=False)
         return "gqa" if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) else "other"
 

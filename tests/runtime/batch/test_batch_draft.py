@@ -1,6 +1,7 @@
 """The int8 self-draft inside a batch, on real graphs: the tiny fp32 target built with `--draft
 int8 --batch --batch-attention rows`. The build gives the batched model a "draft" graph (the
-int8 copy of its step graph), measures its agreement with the batched target and its step
+int8 copy of the model, one token a row through GroupQueryAttention over the step graph's
+cache), measures its agreement with the batched target and its step
 cost; `open_batch` runs it over the target's cache, one token a row per draft step, and every
 request still gets exactly the tokens it gets alone without speculation, greedy and seeded,
 while rows join and leave.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 from bad_input_helpers import copy_engines, edit_manifest
 from fake_batch import hold_until_added
@@ -40,6 +42,13 @@ def test_the_build_records_the_batched_draft_its_agreement_and_cost(tiny_batch_r
     batch = man["models"]["batch"]
     assert set(batch["graphs"]) == {"step", "draft"}
     assert batch["source"]["draft_graph"]["bits"] == 8
+    # one token a row through GroupQueryAttention (the target's one-row attention), over the
+    # rows step graph's cache: a symbolic length, written in place
+    assert batch["source"]["draft_graph"]["attention"] == "gqa" and batch["graphs"]["draft"]["tokens"] == 1
+    graph = onnx.load(str(tiny_batch_rows_draft_engines / batch["graphs"]["draft"]["file"]), load_external_data=False)
+    assert sum(n.op_type == "GroupQueryAttention" for n in graph.graph.node) == man["models"]["batch"]["dims"]["layers"]
+    assert isinstance(graph.graph.input[3].type.tensor_type.shape.dim[2].dim_param, str) and \
+        graph.graph.input[3].type.tensor_type.shape.dim[2].dim_param
     agree = batch["parity"]["draft_agreement"]
     assert agree["positions"] > 0 and 0.5 < agree["top1_agreement"] <= 1.0
     draft = man["build"]["speculation"]["batch_costs_ms"]["draft"]
@@ -47,6 +56,7 @@ def test_the_build_records_the_batched_draft_its_agreement_and_cost(tiny_batch_r
     with open_batch(tiny_batch_rows_draft_engines, max_num_seqs=2) as g:
         assert g.engine.policy.has_draft and g.engine.draft is not None
         assert g.engine.draft.cache is g.engine.target.cache          # the draft writes the target's rows
+        assert g.engine.draft.grows and g.engine.draft.multi_token_rows == 1
         assert g.engine.policy.priors["draft"] == agree["top1_agreement"]
 
 
