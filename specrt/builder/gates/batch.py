@@ -47,7 +47,7 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     rowwise = cfg.batch_prefill_graph == "rowwise"
     attention = batch_attention(cfg, target_part)
     draft = draft_spec(cfg, attention)
-    draft_attention = draft_graph_attention(attention, target_part) if draft is not None else None
+    draft_attention = draft_graph_attention(cfg, attention, target_part) if draft is not None else None
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise and draft is None else "_batch_fp32")
     part = onnx_export.export_model(tgt, shapes, src, attention=attention, batch="dynamic",
                                     tokens={"step": "dynamic", **({"draft": 1} if draft_attention else {})},
@@ -152,7 +152,7 @@ def draft_spec(cfg, attention: str):
     return {"int8": SPECS["blockwise"], "int8-dynamic": SPECS["dynamic"]}.get(cfg.draft_kind)
 
 
-def draft_graph_attention(attention: str, target_part: dict) -> str | None:
+def draft_graph_attention(cfg, attention: str, target_part: dict) -> str | None:
     """The attention of the batched int8 self-draft's graph when it differs from the step
     graph's: "gqa" beside a "rows" step graph whose target attends with GroupQueryAttention
     (ONNX Runtime). A draft step is one token a row, which GroupQueryAttention runs in several
@@ -160,7 +160,8 @@ def draft_graph_attention(attention: str, target_part: dict) -> str | None:
     2026-12-06), and its numbers need no invariance: the target verifies every guess, and a
     row's tokens are a function of the target's logits alone (runtime/choice.py). None: the
     draft graph is the step graph quantized."""
-    return "gqa" if attention == "rows" and target_part.get("attention") == "gqa" else None
+    # a quantized target's part does not repeat the attention it was exported with: cfg's
+    return "gqa" if attention == "rows" and target_part.get("attention", cfg.attention) == "gqa" else None
 
 
 def export_draft(cfg, dm, layers: int | None, tmp: Path, batch_part: dict, draft_part: dict, prompts) -> dict | None:

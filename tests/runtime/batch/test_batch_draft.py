@@ -15,7 +15,7 @@ import pytest
 from bad_input_helpers import copy_engines, edit_manifest
 from fake_batch import hold_until_added
 
-from specrt.builder.gates.batch import draft_spec
+from specrt.builder.gates.batch import draft_graph_attention, draft_spec
 from specrt.errors import ManifestError
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.policy import BatchCosts
@@ -69,6 +69,15 @@ def test_only_a_batch_that_verifies_windows_gets_a_draft_graph():
     assert draft_spec(Cfg, "rows") is None
     Cfg.draft_kind, Cfg.draft_vocab = "int8", 64    # a cut LM head: not the batched step's copy
     assert draft_spec(Cfg, "rows") is None
+
+
+def test_the_draft_graph_attends_with_groupqueryattention_beside_a_rows_step_of_a_gqa_target():
+    class Cfg:
+        attention = "gqa"
+    assert draft_graph_attention(Cfg, "rows", {"attention": "gqa"}) == "gqa"    # an fp32 target's export
+    assert draft_graph_attention(Cfg, "rows", {}) == "gqa"       # a quantized target's part: the build's attention
+    assert draft_graph_attention(Cfg, "rows", {"attention": "portable"}) is None
+    assert draft_graph_attention(Cfg, "standard", {}) is None    # standard ops stay standard (no com.microsoft)
 
 
 def test_the_draft_inside_a_batch_gives_every_request_its_tokens_alone(tiny_batch_rows_draft_engines, plain_alone,
