@@ -191,7 +191,9 @@ def describe(man: mf.Manifest) -> str:
         if isinstance(dg, dict):      # the int8 self-draft inside a batch
             agree = (m.parity or {}).get("draft_agreement") if isinstance(m.parity, dict) else None
             agree = agree if isinstance(agree, dict) else {}
-            lines.append(f"  draft    {dg.get('method')}, {dg.get('bits')}-bit: {dg.get('runs')}; top-1 agreement "
+            att = dg.get("attention")
+            att = f", attention {att}" + (" (one token a row)" if att == "gqa" else "") if isinstance(att, str) else ""
+            lines.append(f"  draft    {dg.get('method')}, {dg.get('bits')}-bit{att}: {dg.get('runs')}; top-1 agreement "
                          f"with this model {agree.get('top1_agreement', '?')}")
         if role == "batch_draft":      # a draft model inside a batch, its own cache per row
             agree = (m.parity or {}).get("draft_agreement") if isinstance(m.parity, dict) else None

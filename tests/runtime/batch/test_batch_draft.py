@@ -141,3 +141,9 @@ def test_inspect_survives_a_damaged_draft_record(tiny_batch_rows_draft_engines, 
         m["models"]["batch"]["parity"]["draft_agreement"] = value
     text = describe(load(_edited(tiny_batch_rows_draft_engines, tmp_path, edit)))
     assert "[batch]" in text
+
+
+def test_inspect_says_how_the_draft_graph_attends(tiny_batch_rows_draft_engines):
+    from specrt.manifest import load
+    from specrt.tools.describe import describe
+    assert "8-bit, attention gqa (one token a row):" in describe(load(tiny_batch_rows_draft_engines))
