@@ -440,24 +440,23 @@ class _Layer(nn.Module):
         d = self.dims
         B, T, H, KVH, D, G = x.shape[0], x.shape[1], d.heads, d.kv_heads, d.head_dim, d.group
         h = _norm(self.spec, x, self.norm1, self.norm1_bias, d.eps)
-        qk, v = self._lin(h, self.qkv, self.qkv_b).split([(H + KVH) * D, KVH * D], dim=-1)
+        # the heads of q, k and v in one Reshape and Transpose ([B, H+2KVH, T, D]), then q and k
+        # normed (per head) and rotated together: one RotaryEmbedding over the 4-D heads (per-row
+        # position_ids; exact per element, as over the 3-D [B, T, (H+KVH)*D], measured bit for bit)
+        heads = self._lin(h, self.qkv, self.qkv_b).view(B, T, H + 2 * KVH, D).transpose(1, 2)
+        qk, v = heads.split([H + KVH, KVH], dim=1)                                       # [B, H+KVH, T, D]
         if self.qk_norm is not None:
-            qk = _norm(self.spec, qk.view(B, T, H + KVH, D), self.qk_norm, None, d.eps).reshape(B, T, (H + KVH) * D)
-        exported = torch.onnx.is_in_onnx_export()
-        if rope is not None and exported:
-            # one RotaryEmbedding over q and k heads together (per-row position_ids): exact per
-            # element, and one op instead of the rotate-half MatMul chain
+            qk = _norm(self.spec, qk, self.qk_norm[:, None, :], None, d.eps)             # per head: [H+KVH, 1, D]
+        if rope is not None and torch.onnx.is_in_onnx_export():
             cos_cache, sin_cache, _ = rope
             qk = torch.onnx.ops.symbolic(
                 "com.microsoft::RotaryEmbedding", [qk, pos, cos_cache, sin_cache],
                 dict(interleaved=0, num_heads=H + KVH, rotary_embedding_dim=2 * cos_cache.shape[1]),
                 dtype=qk.dtype, shape=qk.shape, version=1)
-        qk = qk.view(B, T, H + KVH, D).transpose(1, 2)                                   # [B, H+KVH, T, D]
-        if rope is not None and not exported:
+        elif rope is not None:
             cos, sin, rot = rope[2]
             qk = qk * cos + (qk @ rot) * sin
-        q, k = qk[:, :H], qk[:, H:]
-        v = v.view(B, T, KVH, D).transpose(1, 2)                                         # [B, KVH, T, D]
+        q, k = qk[:, :H], qk[:, H:]                                                      # v: [B, KVH, T, D]
         present_k, present_v = _scatter(past_k, k, past_len), _scatter(past_v, v, past_len)
         # a kv head's queries as the rows of one MatMul: G*T of them; with one query head per kv head
         # (G = 1) the first query once more (T + 1 rows), so a one-token step still has two rows (a
