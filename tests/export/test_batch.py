@@ -197,13 +197,33 @@ def test_a_gqa_draft_graph_beside_rows_reads_a_cache_of_any_length_as_the_one_ro
     assert [i.shape[2] for i in draft.sess.get_inputs()[3:]] == ["kv_len"] * 2 * LAYERS
     ids, caches = _random_rows(len(LENS), 1)
     L = 64                                                   # < the capacity, 80; > every row's length
-    got = draft.run(None, _feeds(ids, LENS, [np.ascontiguousarray(c[:, :, :L]) for c in caches]))
+    # as the runtime binds it: past and present one buffer (in place); each row's positions from
+    # its length on hold NaN, which the step must neither read nor keep (it writes `length` only)
+    bound = [np.ascontiguousarray(c[:, :, :L]) for c in caches]
+    for c in bound:
+        for b, n in enumerate(LENS):
+            c[b, :, n:] = np.nan
+    values = [ort.OrtValue.ortvalue_from_numpy(c) for c in bound]
+    io = draft.sess.io_binding()
+    for name, v in _feeds(ids, LENS, bound).items():
+        if name.startswith("past_k") or name.startswith("past_v"):
+            continue
+        io.bind_cpu_input(name, v)
+    io.bind_cpu_input("logit_pos", np.zeros((len(LENS), 1), np.int64))
+    io.bind_output("logits", "cpu")
+    for i, v in enumerate(values):
+        kv = ("k", "v")[i % 2]
+        io.bind_ortvalue_input(f"past_{kv}_{i // 2}", v)
+        io.bind_ortvalue_output(f"present_{kv}_{i // 2}", v)
+    draft.sess.run_with_iobinding(io)
+    logits = io.copy_outputs_to_cpu()[0]
     one = _session(one_dir / "decode.onnx")
     for b in range(len(LENS)):
         want = one.run(None, _feeds(ids[b:b + 1], LENS[b:b + 1], [c[b:b + 1] for c in caches]))
-        np.testing.assert_array_equal(got[0][b], want[0][0], err_msg=f"row {b}: logits")
-        for j, (g, w) in enumerate(zip(got[1:], want[1:])):
+        np.testing.assert_array_equal(logits[b], want[0][0], err_msg=f"row {b}: logits")
+        for j, (g, w) in enumerate(zip(bound, want[1:])):
             np.testing.assert_array_equal(g[b][:, :LENS[b] + 1], w[0][:, :LENS[b] + 1], err_msg=f"row {b}: cache {j}")
+            assert np.isnan(g[b][:, LENS[b] + 1:]).all(), f"row {b}: cache {j} written past the row's position"
 
 
 def test_per_graph_attention_must_update_the_cache_as_the_model_does(llama, tmp_path):

@@ -156,10 +156,11 @@ def draft_graph_attention(cfg, attention: str, target_part: dict) -> str | None:
     """The attention of the batched int8 self-draft's graph when it differs from the step
     graph's: "gqa" beside a "rows" step graph whose target attends with GroupQueryAttention
     (ONNX Runtime). A draft step is one token a row, which GroupQueryAttention runs in several
-    rows, fused (about a third of the rows graph's nodes: measured x0.87-1.0 a call at one row,
-    2026-12-06), and its numbers need no invariance: the target verifies every guess, and a
-    row's tokens are a function of the target's logits alone (runtime/choice.py). None: the
-    draft graph is the step graph quantized."""
+    rows, fused (312 nodes after ONNX Runtime's optimizer against 871; the build timed a step
+    at one row at x0.87 of the rows draft's, 2026-12-06), and its numbers need no invariance:
+    the target verifies every guess, and a row's tokens are a function of the target's logits
+    alone (runtime/choice.py). What it writes is checked (check_draft_keeps_the_cache). None:
+    the draft graph is the step graph quantized."""
     # a quantized target's part does not repeat the attention it was exported with: cfg's
     return "gqa" if attention == "rows" and target_part.get("attention", cfg.attention) == "gqa" else None
 
@@ -406,7 +407,29 @@ def draft_agreement(tmp: Path, part: dict, shapes, prompts) -> dict:
     model = _model(tmp, part, shapes, len(rows_ids))
     draft = draft_model(tmp, part, shapes, model)
     cur = _prefill(model, rows_ids, shapes)
+    check_draft_keeps_the_cache(model, draft, cur, rows_ids)
     return _agreement(model, draft, cur, rows_ids, "batched draft")
+
+
+def check_draft_keeps_the_cache(model, draft, cur: list[int], rows_ids) -> None:
+    """A draft over the target's cache may write only at each row's length (the verify pass
+    writes the target's own K/V there before anything reads it): one draft step over every row
+    must leave each row's positions 0..length-1 as they were, bit for bit. Its logits can never
+    change a row's tokens (runtime/choice.py), its writes could: a kernel that wrote elsewhere
+    (another ONNX Runtime, another attention) would change the target's answers silently, so
+    the build refuses it (ParityError)."""
+    lengths = np.array([len(r) for r in rows_ids], np.int64)
+    n = len(rows_ids)
+    before = [[a[i, :, :lengths[i]].copy() for i in range(n)] for a in model.cache.keys + model.cache.values]
+    draft.step("decode", np.array(cur, np.int64)[:, None], lengths, 0)
+    after = model.cache.keys + model.cache.values
+    for layer, (was, now) in enumerate(zip(before, after)):
+        for i in range(n):
+            if not np.array_equal(was[i], now[i, :, :lengths[i]], equal_nan=True):
+                raise ParityError(
+                    f"one step of the batched draft graph changed cache array {layer} of row {i} before the row's "
+                    f"length ({lengths[i]}): it would change the target's answers. Build without the draft inside "
+                    "the batch (--draft none), or with the onnxruntime this specrt was tested with")
 
 
 def costs(tmp: Path, part: dict, shapes, *, rows: int = 8, context: int = 128, runs: int = 7,

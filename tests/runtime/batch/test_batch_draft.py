@@ -80,6 +80,35 @@ def test_the_draft_graph_attends_with_groupqueryattention_beside_a_rows_step_of_
     assert draft_graph_attention(Cfg, "standard", {}) is None    # standard ops stay standard (no com.microsoft)
 
 
+def test_the_build_refuses_a_draft_that_writes_before_a_rows_length():
+    """check_draft_keeps_the_cache (builder/gates/batch.py): a draft step over the target's cache
+    may write each row's position `length` only (the verify pass overwrites it). Fakes: a cache
+    of 2 rows x 1 layer; a draft writing at length passes, one writing a position early fails."""
+    import numpy as np
+    from specrt.builder.gates.batch import check_draft_keeps_the_cache
+    from specrt.errors import ParityError
+
+    class Cache:
+        keys = [np.arange(2 * 2 * 8 * 4, dtype=np.float32).reshape(2, 2, 8, 4)]
+        values = [np.zeros((2, 2, 8, 4), np.float32)]
+
+    class Draft:
+        def __init__(self, shift):
+            self.shift = shift
+
+        def step(self, graph, toks, starts, first_row):
+            for i, s0 in enumerate(starts):
+                Cache.keys[0][first_row + i, :, s0 + self.shift] = -1.0
+            return np.zeros((len(starts), 1, 5), np.float32)
+
+    class Model:
+        cache = Cache
+    rows = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    check_draft_keeps_the_cache(Model, Draft(0), [9, 9], rows)
+    with pytest.raises(ParityError, match="row 0 before the row's length"):
+        check_draft_keeps_the_cache(Model, Draft(-1), [9, 9], rows)
+
+
 def test_the_draft_inside_a_batch_gives_every_request_its_tokens_alone(tiny_batch_rows_draft_engines, plain_alone,
                                                                       monkeypatch):
     # 3 rows for 7 requests: rows join and leave while the draft proposes for the others
