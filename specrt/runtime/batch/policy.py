@@ -209,16 +209,25 @@ class BatchPolicy:
             e = sum(expected_tokens(r.accept["lookup"].mean, len(g)) for r, g in zip(rows, guesses))
             best = _better(best, StepChoice(RoundKind.LOOKUP, T, guesses, rate=e / c.target(n, T)))
         d = c.draft(n) if self.has_draft else None
-        if d is not None and any(rooms):
-            es = _draft_expected(rows, rooms)
-            for k in range(1, self.k_max + 1):
-                T = graph_t("verify", k + 1, n)
-                e = sum(E[min(k, room)] for E, room in zip(es, rooms))
-                best = _better(best, StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k,
-                                                rate=e / (k * d + c.target(n, T))))
-        return self._probe(rows, rooms, guesses, best, graph_t, d)
+        drafts = self._draft_rates(rows, rooms, d, graph_t) if d is not None and any(rooms) else []
+        for rate, k, T in drafts:
+            best = _better(best, StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k, rate=rate))
+        return self._probe(rows, rooms, guesses, best, graph_t, d, drafts)
 
-    def _probe(self, rows, rooms, guesses, best: StepChoice, graph_t, d: float | None) -> StepChoice:
+    def _draft_rates(self, rows, rooms, d: float, graph_t) -> list[tuple[float, int, int]]:
+        """(tokens per ms, k, T) of a draft round of k = 1..k_max over these rows (row i drafts
+        min(k, its room)), from each row's E(0..room) computed once."""
+        n = len(rows)
+        es = [r.accept["draft"].expected_upto(room) for r, room in zip(rows, rooms)]
+        out = []
+        for k in range(1, self.k_max + 1):
+            T = graph_t("verify", k + 1, n)
+            e = sum(E[min(k, room)] for E, room in zip(es, rooms))
+            out.append((e / (k * d + self.costs.target(n, T)), k, T))
+        return out
+
+    def _probe(self, rows, rooms, guesses, best: StepChoice, graph_t, d: float | None,
+               drafts: list[tuple[float, int, int]]) -> StepChoice:
         """A choice by rate gathers no evidence about a proposer it passes over, so now and then
         the policy tries it anyway. A lookup guess passed over `lookup_cooldown` times in a row is
         verified once, on one row only (matches come in runs: a passage quoted from the prompt;
@@ -249,13 +258,7 @@ class BatchPolicy:
         due = [r.plain_run >= self._gap(r) * n for r, room in zip(rows, rooms) if room]
         if d is not None and best.kind in (RoundKind.PLAIN, RoundKind.PAIR) and due and all(due) \
                 and self._draft_can_pay(n, d, graph_t):
-            rates = []
-            es = _draft_expected(rows, rooms)
-            for k in range(1, self.k_max + 1):
-                T = graph_t("verify", k + 1, n)
-                e = sum(E[min(k, room)] for E, room in zip(es, rooms))
-                rates.append((e / (k * d + self.costs.target(n, T)), -k, k, T))    # ties: the shorter round
-            _, _, k, T = max(rates)
+            _, k, T = max(drafts, key=lambda x: (x[0], -x[1]))      # ties: the shorter round
             return StepChoice(RoundKind.DRAFT, T, [NONE] * n, k=k, probe=True)
         return best
 
@@ -326,11 +329,6 @@ class BatchPolicy:
 
     def _one(self, seq) -> np.ndarray:
         return self.pair_guess.propose(seq, 1).tokens.copy() if self.pair_guess is not None else NONE
-
-
-def _draft_expected(rows, rooms) -> list[list[float]]:
-    """Per row, E(0..room) of a draft round (runtime/costs.py Acceptance.expected_upto)."""
-    return [r.accept["draft"].expected_upto(room) for r, room in zip(rows, rooms)]
 
 
 def _better(a: StepChoice, b: StepChoice) -> StepChoice:
