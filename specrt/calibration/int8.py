@@ -6,8 +6,10 @@ the shared-cache regime, decode step time relative to the fp32 target's):
   along K, symmetric, int8 compute (accuracy_level 4). Agreement ~0.98, ~0.4x time.
   Blocks of 64, not 32 (2026-12-06, the fp32 folder's batched draft graph): a draft step
   x0.93 / x0.83 / x0.89 of block 32's at 1 / 4 / 8 rows, the build's top-1 agreement
-  0.989 (32: 0.995; 128: 0.940, its step x0.82); the single stream x1.04 faster with the
-  same tokens (docs/benchmarks.md). A draft's numbers never change a row's tokens.
+  0.989 (32: 0.995; 128: 0.940, its step x0.82). The single stream on the rebuilt default
+  folder: x1.01 of block 32's in one interleaved run, same tokens (docs/benchmarks.md: what
+  a faster draft buys depends more on how often the policy drafts). A draft's numbers never
+  change a row's tokens.
 - "dynamic": `quantize_dynamic`, per-channel int8 weights, activations quantized at run
   time. Agreement ~0.95, ~0.40x time. (Per-tensor scales: ~0.86.)
 Neither needs calibration data. Static Q/DQ INT8 for TensorRT is the calibration issue's.
