@@ -42,9 +42,9 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, checkout: Path, engines: str, engine: str = "auto"):
+    def __init__(self, checkout: Path, engines: str, engine: str = "auto", code: str = WORKER):
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        self.p = subprocess.Popen([sys.executable, "-c", WORKER, engines, engine], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, "-c", code, engines, engine], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
         ready = json.loads(self.p.stdout.readline())
         if not ready["ready"].startswith(str(checkout)):

@@ -88,6 +88,18 @@ def test_the_policy_drafts_the_rounds_the_positions_say_pay():
     assert (got.kind, got.k) == (RoundKind.DRAFT, 3), got
 
 
+def test_a_good_draft_in_rounds_of_one_is_not_pulled_toward_one_half():
+    """Rounds of one proposal, 24 of every 25 accepted (0.96): the estimate stays near 0.96. A
+    lasting pseudo-count at 1/2 (Beta(s + 1, f + 1)) against the ~10 rounds forgetting keeps read
+    0.88, and short rounds then looked worse than they are (the fp32 folder, 2026-12-06)."""
+    a = Acceptance(0.9, 4.0, 0.9)
+    seen = []
+    for i in range(500):
+        a.observe(1, 0 if i % 25 == 24 else 1)
+        seen.append(a.mean)
+    assert np.mean(seen[-250:]) == pytest.approx(0.96, abs=0.015)
+
+
 def test_a_position_shorter_rounds_no_longer_reach_drifts_back_to_the_pooled_estimate():
     a = Acceptance(0.8, 4.0, 0.9)
     for _ in range(10):

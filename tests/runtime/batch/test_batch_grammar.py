@@ -95,7 +95,9 @@ def test_constrained_output_equals_plain_constrained_decoding_with_every_propose
     accepted = sum(c.done.metrics.accepted for c in outs)
     if proposer != "plain":
         assert 0 < accepted < drafted, (accepted, drafted)         # proposals were kept, and rejected
-    assert eng.stats.occupancy > 1.5
+    # rows shared steps (3 rows, 10 requests; the last ones run alone, and the more tokens a draft
+    # round keeps the fewer steps they share: 1.43 with the draft since 2026-12-06, was > 1.5)
+    assert eng.stats.occupancy > 1.3
 
 
 def test_a_grammar_changes_the_output_and_every_answer_matches_it():

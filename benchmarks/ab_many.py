@@ -1,0 +1,108 @@
+"""N-way A/B of the single stream: systems (a checkout of specrt, how it runs, on which engine
+folder) interleaved in one run, greedy, on the held-out chat prompts.
+
+    python benchmarks/ab_many.py ENGINES NAME=CHECKOUT[:ENGINE][@FOLDER] ... [--prompts 12]
+                                 [--rounds 3] [--max-new-tokens 128]
+
+ENGINE: auto (the checkout's default), one-row (a folder's one-row graphs; the one-request
+loop of a checkout before issue 27, e.g. 47dabae), fixed (every round drafts k: the policy's
+choices switched off). FOLDER: another engine folder than ENGINES for this system (a rebuild
+with other settings). Each system runs in its own long-lived worker process
+(ab_checkouts.Worker; load time excluded); the order of the systems rotates prompt by prompt,
+so drift on a shared machine hits all. Prints per system decode tok/s (after prefill) and its
+ratio to the first system, the draft's acceptance, whether its tokens equal the first
+system's, and tok/s with the prompt's prefill counted. Not part of `make test`.
+
+Example (the single stream against the loop it replaced, docs/benchmarks.md):
+
+    git clone -q . /tmp/old && git -C /tmp/old checkout -q 47dabae
+    python benchmarks/ab_many.py artifacts/smollm2 old=/tmp/old:one-row new=. fixed=.:fixed
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_checkouts import Worker  # noqa: E402
+
+WORKER = r"""
+import json, sys, time
+import specrt
+from specrt.runtime import SpeculativeGenerator
+engine = sys.argv[2]
+gen = SpeculativeGenerator(sys.argv[1], **({"engine": engine} if engine not in ("auto", "fixed") else {}))
+if engine == "fixed":
+    gen.one.fixed = True
+print(json.dumps({"ready": specrt.__file__}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    ids = gen.encode_prompt(req["prompt"], chat=True)
+    t0 = time.perf_counter()
+    toks = [e.token for e in gen.tokens(ids, max_new_tokens=req["n"], method=req["method"])]
+    wall = time.perf_counter() - t0
+    m = gen.last_metrics
+    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "wall": wall,
+                      "drafted": m.drafted, "accepted": m.accepted}), flush=True)
+"""
+
+
+def parse_system(spec: str, engines: str) -> tuple[str, Path, str, str]:
+    """NAME=CHECKOUT[:ENGINE][@FOLDER] -> (name, checkout, engine, folder)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise SystemExit(f"{spec!r}: give NAME=CHECKOUT[:ENGINE][@FOLDER]")
+    rest, _, folder = rest.partition("@")
+    checkout, _, engine = rest.partition(":")
+    engine = engine or "auto"
+    if engine not in ("auto", "one-row", "fixed"):
+        raise SystemExit(f"{spec!r}: ENGINE is auto, one-row or fixed, not {engine!r}")
+    return name, Path(checkout).resolve(), engine, str(Path(folder or engines).resolve())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engines")
+    ap.add_argument("systems", nargs="+", metavar="NAME=CHECKOUT[:ENGINE][@FOLDER]")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts (tokens compared on the first)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    a = ap.parse_args(argv)
+    systems = [parse_system(s, a.engines) for s in a.systems]
+    if len({s[0] for s in systems}) != len(systems):
+        raise SystemExit("system names must differ")
+    sys.path.insert(0, str(systems[-1][1]))
+    from specrt.prompts import PROMPTS
+    texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
+    workers = {name: Worker(co, folder, engine, code=WORKER) for name, co, engine, folder in systems}
+    for w in workers.values():                       # warm-up
+        w.run(texts[0], 8, "speculative")
+    names = list(workers)
+    tot = {n: {"tokens": 0, "seconds": 0.0, "wall": 0.0, "drafted": 0, "accepted": 0} for n in names}
+    first: dict[str, list] = {n: [] for n in names}
+    for rnd in range(a.rounds):
+        for i, text in enumerate(texts):
+            for n in names[i % len(names):] + names[:i % len(names)]:
+                r = workers[n].run(text, a.max_new_tokens, "speculative")
+                t = tot[n]
+                t["tokens"] += len(r["tokens"])
+                for key in ("seconds", "wall", "drafted", "accepted"):
+                    t[key] += r[key]
+                if rnd == 0:
+                    first[n].append(r["tokens"])
+    for w in workers.values():
+        w.close()
+    base = tot[names[0]]
+    print(f"{'system':<12} {'tok/s':>8} {'ratio':>7} {'accept':>7} {'same tokens':>12} {'with prefill':>13} {'ratio':>7}")
+    for n in names:
+        t = tot[n]
+        rate, wall = t["tokens"] / t["seconds"], t["tokens"] / t["wall"]
+        print(f"{n:<12} {rate:>8.1f} {rate / (base['tokens'] / base['seconds']):>7.3f} "
+              f"{t['accepted'] / max(t['drafted'], 1):>7.3f} {str(first[n] == first[names[0]]):>12} "
+              f"{wall:>13.1f} {wall / (base['tokens'] / base['wall']):>7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
