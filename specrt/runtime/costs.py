@@ -108,8 +108,9 @@ SHRINK = 2.0        # pseudo-rounds of the pooled mean in each position's estima
 
 class Acceptance:
     """Beta(successes + prior, failures + 1 - prior) over per-token acceptance, the verdicts
-    forgotten geometrically (`mean`; the prior's own pseudo-count of one is never forgotten), and per position of a round the acceptance of proposal j given that the ones
-    before it were accepted (`at`), from which `expected` gives E(k). Acceptance is not i.i.d.
+    forgotten geometrically (`mean`; the prior's own pseudo-count of one is never forgotten),
+    and per position of a round the acceptance of proposal j given that the ones before it
+    were accepted (`at`), from which `expected` gives E(k). Acceptance is not i.i.d.
     along a round, so the pooled mean's geometric series misjudges rounds: on the fp32 folder's
     int8 self-draft (2026-12-06) the positions were at 0.98, 0.98, 0.97 while the pooled mean,
     pulled down by the rejections that end rounds, said 0.92-0.95 (E(3) 3.9 against 3.6), and
