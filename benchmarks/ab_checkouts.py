@@ -24,27 +24,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+# engine: "auto" (the checkout's default), "one-row" (SpeculativeGenerator(engine="one-row")) or
+# "fixed" (the default engine with the policy's choices off: every round drafts k; ab_many.py)
 WORKER = r"""
 import json, sys, time
 import specrt
 from specrt.runtime import SpeculativeGenerator
-gen = SpeculativeGenerator(sys.argv[1], **({"engine": sys.argv[2]} if sys.argv[2] != "auto" else {}))
+engine = sys.argv[2]
+gen = SpeculativeGenerator(sys.argv[1], **({"engine": engine} if engine not in ("auto", "fixed") else {}))
+if engine == "fixed":
+    gen.one.fixed = True
 print(json.dumps({"ready": specrt.__file__}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
     ids = gen.encode_prompt(req["prompt"], chat=True)
+    t0 = time.perf_counter()
     toks = [e.token for e in gen.tokens(ids, max_new_tokens=req["n"], method=req["method"],
                                         sampling=req.get("sampling"))]
+    wall = time.perf_counter() - t0
     m = gen.last_metrics
-    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "drafted": m.drafted,
-                      "accepted": m.accepted}), flush=True)
+    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "wall": wall,
+                      "drafted": m.drafted, "accepted": m.accepted}), flush=True)
 """
 
 
 class Worker:
-    def __init__(self, checkout: Path, engines: str, engine: str = "auto", code: str = WORKER):
+    def __init__(self, checkout: Path, engines: str, engine: str = "auto"):
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        self.p = subprocess.Popen([sys.executable, "-c", code, engines, engine], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, "-c", WORKER, engines, engine], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
         ready = json.loads(self.p.stdout.readline())
         if not ready["ready"].startswith(str(checkout)):

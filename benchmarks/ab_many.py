@@ -8,7 +8,7 @@ ENGINE: auto (the checkout's default), one-row (a folder's one-row graphs; the o
 loop of a checkout before issue 27, e.g. 47dabae), fixed (every round drafts k: the policy's
 choices switched off). FOLDER: another engine folder than ENGINES for this system (a rebuild
 with other settings). Each system runs in its own long-lived worker process
-(ab_checkouts.Worker; load time excluded); the order of the systems rotates prompt by prompt,
+(ab_checkouts.Worker and its WORKER; load time excluded); the order of the systems rotates prompt by prompt,
 so drift on a shared machine hits all. Prints per system decode tok/s (after prefill) and its
 ratio to the first system, the draft's acceptance, whether its tokens equal the first
 system's, and tok/s with the prompt's prefill counted. Not part of `make test`.
@@ -26,26 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_checkouts import Worker  # noqa: E402
-
-WORKER = r"""
-import json, sys, time
-import specrt
-from specrt.runtime import SpeculativeGenerator
-engine = sys.argv[2]
-gen = SpeculativeGenerator(sys.argv[1], **({"engine": engine} if engine not in ("auto", "fixed") else {}))
-if engine == "fixed":
-    gen.one.fixed = True
-print(json.dumps({"ready": specrt.__file__}), flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    ids = gen.encode_prompt(req["prompt"], chat=True)
-    t0 = time.perf_counter()
-    toks = [e.token for e in gen.tokens(ids, max_new_tokens=req["n"], method=req["method"])]
-    wall = time.perf_counter() - t0
-    m = gen.last_metrics
-    print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "wall": wall,
-                      "drafted": m.drafted, "accepted": m.accepted}), flush=True)
-"""
 
 
 def parse_system(spec: str, engines: str) -> tuple[str, Path, str, str]:
@@ -75,7 +55,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(systems[-1][1]))
     from specrt.prompts import PROMPTS
     texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
-    workers = {name: Worker(co, folder, engine, code=WORKER) for name, co, engine, folder in systems}
+    workers = {name: Worker(co, folder, engine) for name, co, engine, folder in systems}
     for w in workers.values():                       # warm-up
         w.run(texts[0], 8, "speculative")
     names = list(workers)
