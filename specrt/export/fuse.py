@@ -1,4 +1,4 @@
-"""ONNX Runtime's fused contrib operators in an exported "gqa" graph: a post-export pass.
+"""ONNX Runtime's fused contrib operators in an exported "gqa" or "rows" graph: a post-export pass.
 
 The exporter writes each RMSNorm as six standard ops and feeds GroupQueryAttention three
 slices of the packed q/k/v MatMul (graph.py). ONNX Runtime fuses the norm itself when a
@@ -22,7 +22,10 @@ Both match only the exact pattern (constants checked: exponent 2, axes [-1], spl
 [H*D, KVH*D, KVH*D]); anything else is left as it is, and `describe` counts what was
 fused, so a change in the exporter's output shows up as fewer fusions, not a wrong graph.
 The fused graph is checked against transformers by the build's parity check like any
-other; the "standard" (TensorRT) and "portable" variants never go through this pass.
+other; the "standard" (TensorRT) and "portable" variants never go through this pass. The
+batched "rows" graph (export/batch.py: plain ops around its attention) gets rewrite 1 only
+(onnx_export.fuses): a row's norm is computed alone, so a batch's rows and windows stay
+invariant (its gates and tests/export/test_batch.py check them on the fused graph).
 
 What it is worth (benchmarks/fusion.py, SmolLM2-135M fp32, 2 threads): the norms, Adds
 and Splits it removes were ~4% of the decode graph's operator time and ~3% of prefill's

@@ -88,11 +88,18 @@ def logger_level(name: str, level: int):
         logger.setLevel(previous)
 
 
-def fuses(module: StaticDecoder) -> bool:
-    """Graphs that get ONNX Runtime's fused norms and packed-QKV attention (export/fuse.py):
-    fp32 "gqa" only. "portable" and "standard" stay standard ops (any runtime, TensorRT); the
-    fp16 CUDA graphs keep their fp32-statistics norm, which the pass does not match."""
-    return module.attention == "gqa" and module.dtype == torch.float32
+def fuses(module: StaticDecoder) -> tuple[str, ...]:
+    """The rewrites of export/fuse.py a graph gets (empty: none): fp32 "gqa" graphs the fused
+    norms and packed-QKV attention; fp32 "rows" graphs (no GroupQueryAttention) the fused norms:
+    60 Adds fewer in the default model's batched step graph, the norms computed by the op the
+    one-row graphs and the int8 self-draft use (the draft, which reads the target's cache, kept
+    0.897-0.902 of its guesses against 0.890-0.896 unfused, four paired runs; tokens/s level
+    within the noise, 2026-12-06, benchmarks/ab_many.py). "portable" and "standard" stay
+    standard ops (any runtime, TensorRT); the fp16 CUDA graphs keep their fp32-statistics norm,
+    which the pass does not match."""
+    if module.dtype != torch.float32:
+        return ()
+    return {"gqa": ("skip_rms_norm", "packed_qkv"), "rows": ("skip_rms_norm",)}.get(module.attention, ())
 
 
 def export_graph(module: StaticDecoder, path: Path) -> dict:
@@ -115,17 +122,18 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
                               dynamic_shapes=module.dynamic_shapes())
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed for T={T}: {type(e).__name__}: {e}\n{quiet.getvalue()[-2000:]}") from e
-    if not fuses(module):
+    rewrites = fuses(module)
+    if not rewrites:
         return {}
-    proto = fusion.fuse_model(onnx.load(str(path)))
+    proto = fusion.fuse_model(onnx.load(str(path)), rewrites)
     found = fusion.describe(proto)
     # RMSNorm families: a fused norm after every residual Add (2 per layer, the first layer's
     # input norm has none; the final norm has one); packed QKV in every layer, except where q/k
     # norms sit between the projection and attention (spec.qk_norm)
     norms = 2 * d.layers if module.spec.norm == "rms" else 0
-    packed = 0 if module.spec.qk_norm else d.layers
+    packed = d.layers if "packed_qkv" in rewrites and not module.spec.qk_norm else 0
     if found["skip_simplified_layer_norm"] < norms or found["packed_qkv_attention"] != packed:
-        raise ExportError(f"fusing the T={T} gqa graph matched {found} (expected {norms} fused norms and "
+        raise ExportError(f"fusing the T={T} {module.attention} graph matched {found} (expected {norms} fused norms and "
                           f"{packed} packed-QKV attention nodes): the exporter's output has changed; "
                           "update specrt/export/fuse.py's patterns")
     data = path.with_name(path.name + ".data")

@@ -1,5 +1,6 @@
 """The fused "gqa" graphs (export/fuse.py): residual Add + RMSNorm as one
-SkipSimplifiedLayerNormalization, GroupQueryAttention fed the packed q/k/v. They hold the
+SkipSimplifiedLayerNormalization, GroupQueryAttention fed the packed q/k/v (the batched "rows"
+graph: the norms only). They hold the
 fused ops and fewer nodes, match transformers within the build's tolerance, survive
 int4 quantization, and the parity check catches a fusion that computes the wrong thing.
 The standard (TensorRT) and portable variants never go through the pass."""
@@ -96,6 +97,19 @@ def test_the_int8_compute_decode_graph_is_fused_like_the_others(llama, tmp_path)
     assert found["skip_simplified_layer_norm"] == 2 * LAYERS and found["packed_qkv_attention"] == LAYERS
     _, ops = _ops(tmp_path / "t2.onnx")
     assert ops["SkipSimplifiedLayerNormalization"] == 2 * LAYERS
+
+
+def test_the_batched_rows_graph_gets_the_fused_norms(llama, tmp_path):
+    """The "rows" step graph (a batch's windows; no GroupQueryAttention to feed packed q/k/v)
+    takes the norm rewrite alone: one SkipSimplifiedLayerNormalization per residual norm, no Add
+    of a residual left before a norm; its batch and window invariance are test_batch.py's."""
+    _, lm = llama
+    part = onnx_export.export_model(lm, SHAPES, tmp_path / "rows", attention="rows", batch="dynamic",
+                                    tokens={"step": "dynamic"})
+    assert part["fusions"]["step"] == {"nodes": part["fusions"]["step"]["nodes"],
+                                       "skip_simplified_layer_norm": 2 * LAYERS, "packed_qkv_attention": 0}
+    _, ops = _ops(tmp_path / "rows" / "step.onnx")
+    assert ops["SkipSimplifiedLayerNormalization"] == 2 * LAYERS and ops["Pow"] == 1
 
 
 @pytest.mark.parametrize("attention", ["standard", "portable"])
