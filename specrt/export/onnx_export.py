@@ -93,10 +93,10 @@ def fuses(module: StaticDecoder) -> tuple[str, ...]:
     norms and packed-QKV attention; fp32 "rows" graphs (no GroupQueryAttention) the fused norms:
     60 Adds fewer in the default model's batched step graph, the norms computed by the op the
     one-row graphs and the int8 self-draft use (the draft, which reads the target's cache, kept
-    0.897-0.902 of its guesses against 0.890-0.896 unfused, four paired runs; tokens/s level
-    within the noise, 2026-12-06, benchmarks/ab_many.py). "portable" and "standard" stay
-    standard ops (any runtime, TensorRT); the fp16 CUDA graphs keep their fp32-statistics norm,
-    which the pass does not match."""
+    0.900 of its guesses against 0.890 unfused with the same cost table, 0.911 against 0.906 in
+    rounds of 4; a call level within the noise, 2026-12-06, docs/benchmarks.md). "portable" and
+    "standard" stay standard ops (any runtime, TensorRT); the fp16 CUDA graphs keep their
+    fp32-statistics norm, which the pass does not match."""
     if module.dtype != torch.float32:
         return ()
     return {"gqa": ("skip_rms_norm", "packed_qkv"), "rows": ("skip_rms_norm",)}.get(module.attention, ())
