@@ -4,7 +4,7 @@
                                       [--temperature 0.8] [--engine one-row]
 
 Each checkout runs in its own long-lived worker process (PYTHONPATH points at it; load
-time excluded); prompts alternate A,B / B,A so drift on a shared machine hits both.
+time excluded); the held-out chat prompts (`held_out`); prompts alternate A,B / B,A so drift on a shared machine hits both.
 Prints tok/s (decode, after prefill) and the draft's acceptance rate per method and
 checkout, their ratio, and whether the two produced identical tokens. --temperature > 0
 samples (prompt i with seed i, the same in both checkouts): a change of the accept rule
@@ -23,6 +23,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+def held_out(n: int) -> list[str]:
+    """The first n held-out chat prompts (benchmarks/peers/common.py eval_prompts: the calibration
+    prompt file's held-out split, as `specrt quality` and batch_speculation.py take them; 52).
+    Until 2026-12-06 these scripts ran specrt.prompts.PROMPTS, 10 prompts repeated to n."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+    from common import eval_prompts
+    return [p.text for p in eval_prompts(n, None)]
+
 
 # engine: "auto" (the checkout's default), "one-row" (SpeculativeGenerator(engine="one-row")) or
 # "fixed" (the default engine with the policy's choices off: every round drafts k; ab_many.py)
@@ -82,11 +91,10 @@ def main(argv=None) -> int:
                          "before the batch of one ran, against the new checkout's default)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(a.new))
-    from specrt.prompts import PROMPTS
     engines = str(Path(a.engines).resolve())
     workers = {"old": Worker(a.old.resolve(), engines, a.old_engine or a.engine),
                "new": Worker(a.new.resolve(), engines, a.engine)}
-    texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
+    texts = held_out(a.prompts)
     for w in workers.values():                       # warm-up
         w.run(texts[0], 8, "plain"), w.run(texts[0], 8, "speculative")
     tot = {(c, m): [0, 0.0, 0, 0] for c in workers for m in ("plain", "speculative")}

@@ -1,5 +1,6 @@
 """N-way A/B of the single stream: systems (a checkout of specrt, how it runs, on which engine
-folder) interleaved in one run, greedy, on the held-out chat prompts.
+folder) interleaved in one run, greedy, on the held-out chat prompts (ab_checkouts.held_out; up
+to 52; before 2026-12-06 specrt.prompts.PROMPTS, 10 prompts repeated to --prompts).
 
     python benchmarks/ab_many.py ENGINES NAME=CHECKOUT[:ENGINE][@FOLDER] ... [--prompts 12]
                                  [--rounds 3] [--max-new-tokens 128]
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_checkouts import Worker  # noqa: E402
+from ab_checkouts import Worker, held_out  # noqa: E402
 
 
 def parse_system(spec: str, engines: str) -> tuple[str, Path, str, str]:
@@ -52,9 +53,7 @@ def main(argv=None) -> int:
     systems = [parse_system(s, a.engines) for s in a.systems]
     if len({s[0] for s in systems}) != len(systems):
         raise SystemExit("system names must differ")
-    sys.path.insert(0, str(systems[-1][1]))
-    from specrt.prompts import PROMPTS
-    texts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
+    texts = held_out(a.prompts)
     workers = {name: Worker(co, folder, engine) for name, co, engine, folder in systems}
     for w in workers.values():                       # warm-up
         w.run(texts[0], 8, "speculative")
