@@ -4,7 +4,8 @@
                                       [--temperature 0.8] [--engine one-row]
 
 Each checkout runs in its own long-lived worker process (PYTHONPATH points at it; load
-time excluded); the held-out chat prompts (`held_out`); prompts alternate A,B / B,A so drift on a shared machine hits both.
+time excluded), on the held-out chat prompts (`held_out`); prompts alternate A,B / B,A so
+drift on a shared machine hits both.
 Prints tok/s (decode, after prefill) and the draft's acceptance rate per method and
 checkout, their ratio, and whether the two produced identical tokens. --temperature > 0
 samples (prompt i with seed i, the same in both checkouts): a change of the accept rule

@@ -133,8 +133,8 @@ def export_graph(module: StaticDecoder, path: Path) -> dict:
     norms = 2 * d.layers if module.spec.norm == "rms" else 0
     packed = d.layers if "packed_qkv" in rewrites and not module.spec.qk_norm else 0
     if found["skip_simplified_layer_norm"] < norms or found["packed_qkv_attention"] != packed:
-        raise ExportError(f"fusing the T={T} {module.attention} graph matched {found} (expected {norms} fused norms and "
-                          f"{packed} packed-QKV attention nodes): the exporter's output has changed; "
+        raise ExportError(f"fusing the T={T} {module.attention} graph matched {found} (expected {norms} fused "
+                          f"norms and {packed} packed-QKV attention nodes): the exporter's output has changed; "
                           "update specrt/export/fuse.py's patterns")
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)     # onnx appends to an existing data file
