@@ -34,14 +34,15 @@ def held_out(n: int) -> list[str]:
     return [p.text for p in eval_prompts(n, None)]
 
 
-# engine: "auto" (the checkout's default), "one-row" (SpeculativeGenerator(engine="one-row")) or
-# "fixed" (the default engine with the policy's choices off: every round drafts k; ab_many.py)
+# engine: "auto" (the checkout's default), "one-row" (SpeculativeGenerator(engine="one-row")),
+# "fixed" (the default engine with the policy's choices off: every round drafts k; ab_many.py) or
+# "table" (the default engine pricing with the build's cost table alone: SPECRT_LIVE_COSTS=0)
 WORKER = r"""
 import json, sys, time
 import specrt
 from specrt.runtime import SpeculativeGenerator
 engine = sys.argv[2]
-gen = SpeculativeGenerator(sys.argv[1], **({"engine": engine} if engine not in ("auto", "fixed") else {}))
+gen = SpeculativeGenerator(sys.argv[1], **({"engine": engine} if engine not in ("auto", "fixed", "table") else {}))
 if engine == "fixed":
     gen.one.fixed = True
 print(json.dumps({"ready": specrt.__file__}), flush=True)
@@ -53,14 +54,17 @@ for line in sys.stdin:
                                         sampling=req.get("sampling"))]
     wall = time.perf_counter() - t0
     m = gen.last_metrics
+    live = getattr(getattr(getattr(getattr(gen, "one", None), "full", None), "costs", None), "live", None)
+    live = {"overall": live.snapshot()["overall"], "shapes": {"/".join(map(str, k)): v for k, v in
+            live.snapshot()["shapes"].items()}} if live is not None else None
     print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "wall": wall,
-                      "drafted": m.drafted, "accepted": m.accepted}), flush=True)
+                      "drafted": m.drafted, "accepted": m.accepted, "live": live}), flush=True)
 """
 
 
 class Worker:
     def __init__(self, checkout: Path, engines: str, engine: str = "auto"):
-        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        env = {**os.environ, "PYTHONPATH": str(checkout), **({"SPECRT_LIVE_COSTS": "0"} if engine == "table" else {})}
         self.p = subprocess.Popen([sys.executable, "-c", WORKER, engines, engine], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env, cwd=checkout)
         ready = json.loads(self.p.stdout.readline())

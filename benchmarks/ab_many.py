@@ -7,7 +7,8 @@ to 52; before 2026-12-06 specrt.prompts.PROMPTS, 10 prompts repeated to --prompt
 
 ENGINE: auto (the checkout's default), one-row (a folder's one-row graphs; the one-request
 loop of a checkout before issue 27, e.g. 47dabae), fixed (every round drafts k: the policy's
-choices switched off). FOLDER: another engine folder than ENGINES for this system (a rebuild
+choices switched off), table (the cost table as the build timed it, not corrected in the loop:
+SPECRT_LIVE_COSTS=0). FOLDER: another engine folder than ENGINES for this system (a rebuild
 with other settings). Each system runs in its own long-lived worker process
 (ab_checkouts.Worker and its WORKER; load time excluded); the order of the systems rotates prompt by prompt,
 so drift on a shared machine hits all. Prints per system decode tok/s (after prefill) and its
@@ -37,8 +38,8 @@ def parse_system(spec: str, engines: str) -> tuple[str, Path, str, str]:
     rest, _, folder = rest.partition("@")
     checkout, _, engine = rest.partition(":")
     engine = engine or "auto"
-    if engine not in ("auto", "one-row", "fixed"):
-        raise SystemExit(f"{spec!r}: ENGINE is auto, one-row or fixed, not {engine!r}")
+    if engine not in ("auto", "one-row", "fixed", "table"):
+        raise SystemExit(f"{spec!r}: ENGINE is auto, one-row, fixed or table, not {engine!r}")
     return name, Path(checkout).resolve(), engine, str(Path(folder or engines).resolve())
 
 
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     names = list(workers)
     tot = {n: {"tokens": 0, "seconds": 0.0, "wall": 0.0, "drafted": 0, "accepted": 0} for n in names}
     first: dict[str, list] = {n: [] for n in names}
+    live: dict[str, dict | None] = {}
     for rnd in range(a.rounds):
         for i, text in enumerate(texts):
             for n in names[i % len(names):] + names[:i % len(names)]:
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
                     t[key] += r[key]
                 if rnd == 0:
                     first[n].append(r["tokens"])
+                live[n] = r.get("live")
     for w in workers.values():
         w.close()
     base = tot[names[0]]
@@ -80,6 +83,10 @@ def main(argv=None) -> int:
         print(f"{n:<12} {rate:>8.1f} {rate / (base['tokens'] / base['seconds']):>7.3f} "
               f"{t['accepted'] / max(t['drafted'], 1):>7.3f} {str(first[n] == first[names[0]]):>12} "
               f"{wall:>13.1f} {wall / (base['tokens'] / base['wall']):>7.3f}")
+    for n in names:             # the loop's corrections of the build's cost table (policy.py LiveCorrection)
+        if live.get(n) and live[n]["shapes"]:
+            shapes = " ".join(f"{k}:x{f:.2f}({c})" for k, (f, c) in sorted(live[n]["shapes"].items()))
+            print(f"{n}: live costs x{live[n]['overall']:.2f} overall; {shapes}")
     return 0
 
 

@@ -11,9 +11,10 @@ the build's plan (builder/gates/plan.py) weigh speculation with.
                                             forgetting, so a stretch the proposer cannot predict
                                             moves the choice within a few rounds
 
-Costs are fixed numbers from the build, not timed online: which round runs decides how many
-random draws it consumes, so choices that followed wall-clock time would make a seeded sample
-differ from run to run. With fixed costs the choices are a function of the verdicts alone.
+Costs are the build's numbers; the engine corrects them with the times of its own passes
+(runtime/batch/policy.py LiveCorrection; SPECRT_LIVE_COSTS=0 turns that off). That is safe for
+answers: a position's token is a function of its logits, the seed and the position alone
+(runtime/choice.py), whichever rounds ran.
 """
 from __future__ import annotations
 

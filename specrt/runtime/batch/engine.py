@@ -43,7 +43,7 @@ import numpy as np
 from specrt.runtime import nvtx_ranges as trace
 from specrt.runtime.batch.drafting import DraftRounds
 from specrt.runtime.batch.model import BatchModel
-from specrt.runtime.batch.policy import BatchPolicy, RoundKind
+from specrt.runtime.batch.policy import BatchPolicy, RoundKind, live_costs_default
 from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row, TokenLogprob
 from specrt.runtime.choice import choose, first_mismatch
 from specrt.runtime.grammar import GrammarError
@@ -70,7 +70,7 @@ class BatchEngine(DraftRounds):
     def __init__(self, target: BatchModel, *, max_num_seqs: int, max_context: int, prefill_tokens: int,
                  k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
                  draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1,
-                 prefill_budget: int | None = None, head=None):
+                 prefill_budget: int | None = None, head=None, live_costs: bool | None = None):
         """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
@@ -82,7 +82,10 @@ class BatchEngine(DraftRounds):
         wait longer for that step). A row's tokens do not depend on it.
         head: a trained draft head (runtime/head.py) instead of a draft model: it reads the
         target's hidden states (the target model must return them: `hidden`), kept per row until
-        its next draft round feeds them (_draft_head)."""
+        its next draft round feeds them (_draft_head).
+        live_costs: correct the policy's cost table with the times of this loop's own passes
+        (policy.py BatchCosts.observe; None: on unless SPECRT_LIVE_COSTS=0). Choices only: a
+        row's tokens never depend on it."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
@@ -97,6 +100,7 @@ class BatchEngine(DraftRounds):
         self.prefill_budget = prefill_budget
         self.closing = False        # set by the owner's close(): every request held is cancelled at the next step
         self.tokenizer, self.clock, self.min_tokens = tokenizer, clock, min_tokens
+        self.live_costs = live_costs_default() if live_costs is None else bool(live_costs)
         self.eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset(eos)
         self.rows: list[Row] = []           # running, in cache rows 0..n-1
         self.pending: Row | None = None     # being prefilled, in cache row len(self.rows)
@@ -368,6 +372,11 @@ class BatchEngine(DraftRounds):
         logits = self.target.step(choice.kind.graph, toks, starts, 0, pad_start=self._pad_start())   # [n, T, V]
         trace.pop()
         t2 = time.perf_counter()
+        costs = self.policy.costs
+        if self.live_costs and costs is not None:
+            costs.observe(n, T, (t2 - t1) * 1e3)
+            if choice.kind is RoundKind.DRAFT:
+                costs.observe_draft(n, choice.k, (t1 - t0) * 1e3)
         trace.push("accept")
         for i, row in enumerate(rows):
             p = proposals[i]

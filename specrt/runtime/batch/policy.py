@@ -27,10 +27,17 @@ times is verified once.
 
 Without measured batch costs the policy runs plain steps only (it cannot know what pays), or,
 with `fixed`, fixed-k rounds (one-row graphs whose build measured no costs, `adaptive=False`).
-Costs are fixed numbers, not timed online, so the choices are reproducible.
+The build's table is corrected in the loop (`BatchCosts.observe`, on by default: `live_costs`):
+the build timed every shape once, for a few seconds, on a machine that may have been busy, and
+the shape of its table decides the single stream (two builds of the same graphs: x0.93 and
+x0.99 of the one-request loop, 2026-12-06). Choices then depend on the clock, never the tokens
+(runtime/choice.py); `SPECRT_LIVE_COSTS=0` (or `live_costs=False`) prices with the build's table
+alone, so the choices are a function of the verdicts and reproducible.
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Sequence
@@ -85,6 +92,7 @@ class BatchCosts:
             raise ValueError("no target costs")
         self._target = {int(T): {int(n): float(v) for n, v in by_n.items()} for T, by_n in target.items()}
         self._draft = {int(n): float(v) for n, v in (draft or {}).items()}
+        self.live = LiveCorrection()
 
     @classmethod
     def from_manifest(cls, speculation: dict | None) -> "BatchCosts | None":
@@ -109,7 +117,28 @@ class BatchCosts:
         return BatchCosts(self._target, _table(draft, where))
 
     def target(self, n: int, T: int) -> float:
-        """A pass of n rows of T tokens: between two measured T, linear in T (the build measures
+        """A pass of n rows of T tokens: the table's cost (`table_target`) times its correction
+        from the passes observed in the loop (`observe`; 1 before any)."""
+        return self.table_target(n, T) * self.live.factor(("target", T, n))
+
+    def draft(self, n: int) -> float | None:
+        """One draft step over n rows: the table's, times its correction (`observe_draft`)."""
+        d = self.table_draft(n)
+        return None if d is None else d * self.live.factor(("draft", n))
+
+    def observe(self, n: int, T: int, ms: float) -> None:
+        """A target pass of n rows of T tokens took `ms` in the loop (BatchEngine._round)."""
+        self.live.observe(("target", T, n), ms / self.table_target(n, T))
+
+    def observe_draft(self, n: int, steps: int, ms: float) -> None:
+        """A draft round of `steps` steps over n rows took `ms` in all (its feeds and host work
+        included: what a round costs beside its verify pass)."""
+        d = self.table_draft(n)
+        if d is not None and steps > 0:
+            self.live.observe(("draft", n), ms / (steps * d))
+
+    def table_target(self, n: int, T: int) -> float:
+        """The build's cost of a pass of n rows of T tokens: between two measured T, linear in T (the build measures
         T = 1, 2 and k + 1: a draft round of 2 tokens runs T = 3, which the nearest measured T
         priced as a pair round and so chose k = 2 at any acceptance; on the fp32 folder a batch of
         one drafted 2 where 4 paid, 2026-12-06); beyond them, the nearest one's cost."""
@@ -121,8 +150,73 @@ class BatchCosts:
         a, b = _interp(self._target[lo], n), _interp(self._target[hi], n)
         return a + (b - a) * (T - lo) / (hi - lo)
 
-    def draft(self, n: int) -> float | None:
+    def table_draft(self, n: int) -> float | None:
         return _interp(self._draft, n) if self._draft else None
+
+
+def live_costs_default() -> bool:
+    """Whether engines correct their cost table in the loop when not told (`live_costs=None`):
+    yes, unless the environment says SPECRT_LIVE_COSTS=0 (the test suite does: choices
+    reproducible, tests/conftest.py)."""
+    v = os.environ.get("SPECRT_LIVE_COSTS", "1").strip().lower()
+    if v in ("1", "true", "yes", "on", ""):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"SPECRT_LIVE_COSTS={v!r}: expected 1 (correct the build's step costs in the loop) or 0 "
+                     "(price with the build's table alone)")
+
+
+class LiveCorrection:
+    """How far the loop's step times sit from the build's table: a factor per shape (a target
+    pass of n rows x T tokens, a draft step of n rows), as log ratios observed / table.
+
+    Each shape's factor is the machine's overall factor (all observations) times its own
+    offset; a shape never observed takes the overall factor alone, so a machine that got
+    uniformly slower moves every price together and the table's shape stands where the loop
+    has no evidence against it. Both follow the running median (a sign step of `eta` toward
+    each observation, in log space; Robbins and Monro's stochastic quantile estimate): a cold
+    call, a page fault or a preempted thread moves an estimate one step, never by its size.
+    Observations outside [1/16, 16] of the table (a suspended process) are dropped.
+
+    What it cannot fix: a shape the table prices too high is never chosen, so never observed
+    (the policy's probes try drafts, not windows)."""
+
+    ETA_ALL = 0.02       # per observation of any shape: about 35 observations to move by x2
+    ETA_SHAPE = 0.04     # per observation of the shape
+    BOUND = math.log(16.0)
+
+    def __init__(self):
+        self.overall = 0.0                       # log factor of the machine now against the build
+        self.offsets: dict[tuple, float] = {}    # shape -> log factor beyond the overall one
+        self.counts: dict[tuple, int] = {}
+
+    def factor(self, shape: tuple) -> float:
+        if not self.counts:
+            return 1.0
+        return math.exp(self.overall + self.offsets.get(shape, 0.0))
+
+    def observe(self, shape: tuple, ratio: float) -> None:
+        if not (isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0):
+            return
+        x = math.log(ratio)
+        if abs(x) > self.BOUND:
+            return
+        off = self.offsets.get(shape, 0.0)
+        est = self.overall + off
+        self.offsets[shape] = off + self.ETA_SHAPE * _sign(x - est)
+        self.overall += self.ETA_ALL * _sign(x - self.overall)
+        self.counts[shape] = self.counts.get(shape, 0) + 1
+
+    def snapshot(self) -> dict:
+        """{"overall": factor, "shapes": {shape: (factor, observations)}}: what `specrt bench`
+        and the benchmarks print beside their rates."""
+        return {"overall": math.exp(self.overall),
+                "shapes": {k: (math.exp(self.overall + self.offsets[k]), c) for k, c in self.counts.items()}}
+
+
+def _sign(x: float) -> float:
+    return (x > 0) - (x < 0)
 
 
 def _count(key, where: str) -> int:
@@ -238,8 +332,8 @@ class BatchPolicy:
         pays (an int4 target's int8 self-draft costs more than a target step) costs ever fewer
         probes. In a batch a probe runs for every row, so it waits until every row that could
         take part is due, each after n times its gap in a batch of n (one row: AdaptiveK's rule).
-        The choices stay a function of the verdicts
-        (no clock), so a seed reproduces."""
+        Probes count steps, not time: with the build's table alone (`live_costs` off) the
+        choices are a function of the verdicts."""
         n = len(rows)
         if best.kind is not RoundKind.LOOKUP and self.lookup_cooldown is not None and n == 1 and len(guesses[0]):
             # one row only: in a batch the row with a guess would make every row pay a verify
