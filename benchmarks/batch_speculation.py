@@ -9,6 +9,8 @@ windows (`--batch-attention rows`), optionally beside a `gqa` batched folder:
                  of one, stepped from the caller's thread (runtime/one.py), one request after another
     batch        open_batch: the policy picks plain, pair, lookup or draft rounds per step
                  from the build's batch_costs_ms (the int8 draft inside the batch)
+    batch-table  the same, pricing with the build's table alone (not corrected by the loop's
+                 timings: policy.py LiveCorrection, SPECRT_LIVE_COSTS=0)
     batch-nodraft  the same without the draft (pair and lookup rounds only)
     batch-plain  speculate=False: plain one-token steps
     gqa          --gqa FOLDER's batched graph, plain one-token steps (the default `--batch`)
@@ -35,7 +37,7 @@ from common import eval_prompts  # noqa: E402
 
 from specrt.runtime.batch.generator import open_batch  # noqa: E402
 
-SYSTEMS = ("stream", "one", "batch", "batch-nodraft", "batch-plain", "gqa")
+SYSTEMS = ("stream", "one", "batch", "batch-table", "batch-nodraft", "batch-plain", "gqa")
 
 
 class One:
@@ -81,6 +83,8 @@ def _open(name: str, engines: str, gqa: str | None, rows: int):
     g = open_batch(engines, max_num_seqs=rows, speculate=name != "batch-plain")
     if name == "batch-nodraft":
         g.engine.policy.has_draft, g.engine.draft = False, None
+    if name == "batch-table":
+        g.engine.live_costs = False
     return g
 
 
