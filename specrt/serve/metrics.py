@@ -11,6 +11,7 @@ import threading
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 # TTFT includes queueing; ITL is the gap between two streamed tokens (speculation emits
@@ -92,6 +93,7 @@ class ServerMetrics:
               registry=r).labels(**label).set_function(total(lambda s: s.steps))
         Gauge("specrt_batch_prefill_chunks", "Prompt chunks prefilled since the server started", ["model"],
               registry=r).labels(**label).set_function(total(lambda s: s.prefill_chunks))
+        r.register(_StepCosts(self.model, stats))
         choice = Gauge("specrt_batch_step_choice", "Engine steps by the kind chosen (plain, pair, lookup, draft)",
                        ["model", "kind"], registry=r)
         for kind in ("plain", "pair", "lookup", "draft"):
@@ -103,3 +105,28 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StepCosts:
+    """specrt_step_cost_factor{engine, shape}: how far the loop's own step times sit from the
+    build's cost table (runtime/batch/policy.py LiveCorrection), per engine copy: "overall" and
+    each shape run ("target/T/rows", "draft/rows"). Far from 1 for long: the table is not this
+    machine's now (`specrt retime` the folder). Absent while nothing was observed
+    (SPECRT_LIVE_COSTS=0, plain steps only)."""
+
+    def __init__(self, model: str, stats: Callable[[], list]):
+        self.model, self.stats = model, stats
+
+    def collect(self):
+        g = GaugeMetricFamily("specrt_step_cost_factor",
+                              "Observed step time / the build's table (running median), by engine copy and shape",
+                              labels=["model", "engine", "shape"])
+        for i, st in enumerate(self.stats()):
+            live = getattr(st, "live", None)
+            if live is None:
+                continue
+            snap = live.snapshot()
+            g.add_metric([self.model, str(i), "overall"], snap["overall"])
+            for shape, (factor, _) in sorted(snap["shapes"].items()):
+                g.add_metric([self.model, str(i), "/".join(map(str, shape))], factor)
+        yield g

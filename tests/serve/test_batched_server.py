@@ -218,3 +218,35 @@ def test_two_copies_of_two_rows_answer_as_each_request_alone(tiny_batch_engines)
         assert sum(w["requests"] for w in h["workers"]) == len(PROMPTS) and h["busy"] == 0
     finally:
         server.close()
+
+
+def test_metrics_show_how_far_the_loop_finds_the_build_s_step_costs(tiny_batch_rows_engines):
+    """A speculating batched server with live costs on: after a request, /metrics has
+    specrt_step_cost_factor for "overall" and for exactly the shapes the engine observed, at the
+    engine's own factors; with live costs off there is no such sample."""
+    from specrt.runtime.batch.policy import BatchCosts
+
+    def factory(live):
+        def make(engines, **kw):
+            gen = open_batch(engines, **kw)
+            gen.engine.policy.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)})   # speculate
+            gen.engine.live_costs = live
+            return gen
+        return make
+
+    for live in (True, False):
+        server = LiveServer(tiny_batch_rows_engines, factory=factory(live), max_num_seqs=2, queue_size=4)
+        try:
+            _complete(server.url, server.model, "a b a b a b a b a b")
+            m = server.metrics()
+            got = {dict(labels)["shape"]: v for (name, labels), v in m.items() if name == "specrt_step_cost_factor"}
+            snap = server.pool.gens[0].engine.policy.costs.live.snapshot()
+        finally:
+            server.close()
+        if not live:
+            assert got == {} and snap["shapes"] == {}
+            continue
+        assert set(got) == {"overall"} | {"/".join(map(str, k)) for k in snap["shapes"]} and len(got) > 1
+        assert got["overall"] == pytest.approx(snap["overall"])
+        for k, (factor, count) in snap["shapes"].items():
+            assert count > 0 and got["/".join(map(str, k))] == pytest.approx(factor)

@@ -60,6 +60,7 @@ class EngineStats:
     tokens: int = 0
     finished: int = 0
     choices: collections.Counter = field(default_factory=collections.Counter)   # step kind -> count
+    live: object = None                 # the policy's LiveCorrection once a pass was observed (policy.py)
 
     @property
     def occupancy(self) -> float:
@@ -375,6 +376,7 @@ class BatchEngine(DraftRounds):
         costs = self.policy.costs
         if self.live_costs and costs is not None:
             costs.observe(n, T, (t2 - t1) * 1e3)
+            self.stats.live = costs.live
             if choice.kind is RoundKind.DRAFT:
                 costs.observe_draft(n, choice.k, (t1 - t0) * 1e3)
         trace.push("accept")

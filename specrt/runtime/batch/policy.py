@@ -209,10 +209,12 @@ class LiveCorrection:
         self.counts[shape] = self.counts.get(shape, 0) + 1
 
     def snapshot(self) -> dict:
-        """{"overall": factor, "shapes": {shape: (factor, observations)}}: what `specrt bench`
-        and the benchmarks print beside their rates."""
-        return {"overall": math.exp(self.overall),
-                "shapes": {k: (math.exp(self.overall + self.offsets[k]), c) for k, c in self.counts.items()}}
+        """{"overall": factor, "shapes": {shape: (factor, observations)}}: what the server's
+        /metrics (specrt_step_cost_factor) and the benchmarks show."""
+        counts = list(self.counts.items())      # (one C call: safe beside the engine thread adding shapes)
+        overall = self.overall
+        return {"overall": math.exp(overall),
+                "shapes": {k: (math.exp(overall + self.offsets[k]), c) for k, c in counts}}
 
 
 def _sign(x: float) -> float:
