@@ -99,6 +99,7 @@ class Row:
         # the policy's probes (policy.py _probe): plain steps since the last draft round, how many
         # before the next probe (None: the policy's cooldown), lookup guesses passed over in a row
         self.plain_run, self.probe_gap, self.lookup_refused = 0, None, 0
+        self.unverified = ()                  # prompt lookup's guess for this step, not verified (policy.py)
 
     @property
     def prefilled(self) -> bool:

@@ -101,3 +101,25 @@ def test_the_policy_charges_a_draft_measured_at_one_row_for_every_row_it_runs():
     got = policy.choose(rs, verify_tokens)
     assert (got.kind, got.k) == (RoundKind.DRAFT, best_k) and got.rate == pytest.approx(want[best_k], rel=1e-12), \
         (got, want)
+
+
+@pytest.mark.parametrize("guess,emitted,observed", [
+    ([5, 6, 7, 8], [5, 6, 9], (4, 2)),           # differs at the third: 2 kept, then a rejection
+    ([5, 6, 7, 8], [4], (4, 0)),                 # differs at the first
+    ([5, 6, 7, 8], [5, 6, 7, 8, 9], (4, 4)),     # all of it, with a token to spare
+    ([5, 6, 7, 8], [5, 6], (2, 2)),              # agrees with all that was emitted: at least 2
+    ([5, 6], [5, 6], (2, 2)),
+])
+def test_an_unverified_lookup_guess_is_scored_against_what_the_row_emitted(guess, emitted, observed):
+    """policy.observe_guess: lookup would have kept the guess's prefix that equals the emitted
+    tokens (a row's tokens do not depend on the round), so that is what its estimate sees."""
+    import numpy as np
+    policy = BatchPolicy(None, 4)
+    row = rows(policy, 1)[0]
+    seen = []
+    row.accept["lookup"].observe = lambda k, a: seen.append((k, a))
+    row.unverified = np.array(guess, np.int64)
+    policy.observe_guess(row, emitted)
+    assert seen == [observed] and len(row.unverified) == 0
+    policy.observe_guess(row, emitted)           # scored once
+    assert seen == [observed]

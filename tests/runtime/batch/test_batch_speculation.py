@@ -412,3 +412,25 @@ def test_forked_samples_on_a_growing_cache_are_each_the_request_alone(tiny_batch
         got = [h.result(timeout=60).tokens for h in handles]
         assert g.engine.target.max_kv_len > KV_BLOCK and g.engine.target.cache.generation > 1
     assert got == alone
+
+
+def test_lookup_learns_from_the_steps_it_does_not_win(tiny_batch_rows_engines, monkeypatch):
+    """Windows priced out (every step plain, save lookup's probes): at each plain step where
+    prompt lookup had a guess, the engine scores it (policy.observe_guess) against the token
+    the row emitted at that step; the answer is unchanged."""
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=1) as g:
+        want = g.generate(PROMPTS[0], max_new_tokens=NEW).tokens
+        g.engine.policy.costs = BatchCosts({1: {1: 1.0, 8: 1.0}, 2: {1: 100.0, 8: 100.0}, 4: {1: 100.0, 8: 100.0}})
+        calls = []
+        orig = g.engine.policy.observe_guess
+
+        def spy(row, emitted):
+            calls.append((list(row.unverified), list(emitted), len(row.seq) - len(row.req.prompt)))
+            return orig(row, emitted)
+        monkeypatch.setattr(g.engine.policy, "observe_guess", spy)
+        got = g.generate(PROMPTS[0], max_new_tokens=NEW).tokens
+    assert got == want
+    scored = [c for c in calls if c[0]]
+    assert len(scored) >= 3, calls                # a repeating prompt: guesses at many steps
+    for guess, emitted, at in scored:
+        assert emitted == [want[at]], (guess, emitted, at)      # a plain step: the row's next token
