@@ -157,6 +157,17 @@ class Acceptance:
             out.append(e)
         return out
 
+    def start(self, weight: float, forget: float) -> "Acceptance":
+        """A new estimate that begins where this one is: its evidence (pooled and per position)
+        scaled down to at most `weight` rounds' worth, so the new one's own verdicts soon
+        outweigh it; the same lasting prior. What a row starts from (BatchPolicy.row_accept)."""
+        new = Acceptance(self.prior, 0.0, forget)
+        total = self.successes + self.failures
+        c = min(1.0, weight / total) if total > 0 else 1.0
+        new.successes, new.failures = self.successes * c, self.failures * c
+        new._at = [[s * c, f * c] for s, f in self._at]
+        return new
+
     def observe(self, k: int, accepted: int) -> None:
         # the first rejection ends the round: `accepted` successes, then one failure if any
         self.successes = self.forget * self.successes + accepted

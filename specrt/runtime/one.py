@@ -110,7 +110,7 @@ class BatchOfOne:
         lookup = PromptLookup(ngram, self.k) if ngram else None
         return BatchPolicy(full.costs, self.k, lookup=lookup, pair_guess=full.pair_guess if lookup else None,
                            draft=full.has_draft and method is Method.SPECULATIVE, priors=full.priors,
-                           pair=full.has_pair, fixed=fixed)
+                           pooled=full.pooled, pair=full.has_pair, fixed=fixed)
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling, seed: int, m: Metrics, method: Method,
                ngram: int, grammar=None, logprobs: int | None = None, fixed: bool | None = None) -> Iterator[Emitted]:

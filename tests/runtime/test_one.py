@@ -226,3 +226,17 @@ def test_specrt_generate_runs_the_batch_of_one_unless_asked_for_the_one_row_grap
         assert main(argv + (["--engine", engine] if engine else [])) == 0
     assert opened == [True, False]
     capsys.readouterr()
+
+
+def test_a_batch_of_one_s_requests_share_what_the_draft_s_verdicts_taught(gen):
+    """Each request of the single stream gets a policy of its own (method, lookup n-gram), all
+    over one pooled estimate of the draft (BatchPolicy.row_accept), so a request starts where
+    the ones before it left the draft, not at the build's prior."""
+    gen.generate(PROMPTS[0], max_new_tokens=NEW)
+    first = gen.one.engine.policy
+    pooled = first.pooled["draft"]
+    seen = pooled.successes + pooled.failures
+    gen.generate(PROMPTS[1], max_new_tokens=NEW)
+    second = gen.one.engine.policy
+    assert second is not first and second.pooled is first.pooled is gen.one.full.pooled
+    assert pooled.successes + pooled.failures != seen          # the second request's verdicts went in too

@@ -250,7 +250,7 @@ class BatchEngine(DraftRounds):
                 return
             req = self.waiting.popleft()
         budget = min(req.max_new_tokens, self.max_context - len(req.prompt))
-        self.pending = Row(req, budget, self.tokenizer, self.policy.priors, self.k_max)
+        self.pending = Row(req, budget, self.tokenizer, self.policy.row_accept(), self.k_max)
 
     @property
     def _own_draft(self) -> bool:
@@ -318,7 +318,7 @@ class BatchEngine(DraftRounds):
             self._unforked.pop(0)
             req.sink(Done("cancelled", len(req.prompt), 0, Row(req, 0, None, {}, 0).metrics))
             return
-        child = Row(req, row.budget, self.tokenizer, self.policy.priors, self.k_max)
+        child = Row(req, row.budget, self.tokenizer, self.policy.row_accept(), self.k_max)
         dst = len(self.rows)
         self.target.cache.move_row(slot, dst, row.length)      # a copy: the source row keeps its K/V
         child.length = row.length

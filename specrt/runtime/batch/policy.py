@@ -15,7 +15,10 @@ a_0 a_1 + ... + a_0...a_(k-1) from the row's own estimates of the draft's accept
 position of a round (Betas with forgetting, shrunk toward its pooled rate; runtime/costs.py
 Acceptance); for lookup and pair guesses the geometric series (1 - a^(k+1)) / (1 - a) of the
 row's pooled rate per proposer (positions made lookup rounds look better than they were: the
-int4 folder's batch of one x0.92 against x0.98, 2026-12-06). Guesses (prompt lookup, the 1-gram match, the
+int4 folder's batch of one x0.92 against x0.98, 2026-12-06). A row's estimates start from
+the engine's pooled estimate for the draft (every row's verdicts so far, scaled down to a
+few rounds' worth: row_accept), not from the build's prior alone; prompt lookup's also learn
+from the steps it does not win (observe_guess). Guesses (prompt lookup, the 1-gram match, the
 n-gram table) are per row. Which step runs changes only the speed: every row emits the
 target's own choices (runtime/choice.py), so greedy output equals the request run alone and a
 seeded sample is the same whatever the batch.
@@ -45,10 +48,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrt.errors import ManifestError
-from specrt.runtime.costs import expected_tokens, manifest_cost, speculation_entry
+from specrt.runtime.costs import Acceptance, expected_tokens, manifest_cost, speculation_entry
 from specrt.runtime.proposers.base import Proposer
 
 NONE = np.zeros(0, np.int64)
+POOLED_WEIGHT, POOLED_FORGET = 4.0, 0.98   # the estimate over every row: prior weight, forgetting per verdict
+ROW_WEIGHT, ROW_FORGET = 16.0, 0.9         # a row's own: rounds' worth it starts with from the pooled one, forgetting
 REBUILD = ("the manifest was edited; rebuild the engines with `specrt build ... --batch` (it measures the batched "
            "step costs)")
 
@@ -259,7 +264,7 @@ class BatchPolicy:
     def __init__(self, costs: BatchCosts | None, k_max: int, *, lookup: Proposer | None = None,
                  pair_guess: Proposer | None = None, draft: bool = False, priors: dict[str, float] | None = None,
                  pair: bool = True, fixed: bool = False, cooldown: int = 16, max_cooldown: int = 256,
-                 lookup_cooldown: int | None = 4):
+                 lookup_cooldown: int | None = 4, pooled: dict | None = None):
         """lookup: prompt lookup (per row); pair_guess: the one-token guessers after lookup's own
         (the 1-gram match, the n-gram table); draft: a draft model is loaded; pair: the target can
         run a two-token decode step. fixed: no choice by cost (`_fixed`): every round drafts k_max
@@ -278,6 +283,10 @@ class BatchPolicy:
         self.has_draft, self.has_pair, self.fixed = draft, pair, fixed
         self.cooldown, self.max_cooldown, self.lookup_cooldown = cooldown, max_cooldown, lookup_cooldown
         self.priors = {"draft": 0.8, "lookup": 0.5, "pair": 0.3, **(priors or {})}
+        # every row's verdicts about the draft, kept across requests (pooled: another policy's,
+        # so a batch of one's per-request policies share them): where a new row starts (row_accept)
+        self.pooled = pooled if pooled is not None else \
+            {"draft": Acceptance(self.priors["draft"], POOLED_WEIGHT, POOLED_FORGET)}
 
     def choose(self, rows, graph_t: Callable[[str, int, int], int]) -> StepChoice:
         """graph_t(graph, tokens wanted per row, rows) -> T the step will run."""
@@ -378,6 +387,20 @@ class BatchPolicy:
             return StepChoice(RoundKind.LOOKUP, graph_t("verify", 1 + max(len(g) for g in guesses), n), guesses)
         return plain
 
+    def row_accept(self) -> dict:
+        """A new row's acceptance estimates. The draft's starts from the pooled one (every row's
+        verdicts so far; the build's prior before any) scaled down to ROW_WEIGHT rounds: how
+        often a self-draft agrees is a property of the two models more than of the prompt, and
+        starting every request from the build's prior with the weight of 4 rounds, one early
+        rejection at the second position put that position at 0.54 where the int8 self-draft
+        keeps 0.98 (fp32 folder, 2026-12-06), so a request's first rounds drafted 1-2 tokens
+        where 4 paid. Prompt lookup's and the pair guess's start from their priors: whether a
+        prompt is quoted is the prompt's own (a pooled start for lookup cost x1.008 more on the
+        int4 folder, priced by the table over 40 held-out prompts; ROW_WEIGHT 4 / 16 / 64 for
+        the draft: 0.963 / 0.980 / 0.971 of the old loop, docs/speculation.md)."""
+        return {kind: self.pooled[kind].start(ROW_WEIGHT, ROW_FORGET) if kind in self.pooled
+                else Acceptance(p, 4.0, ROW_FORGET) for kind, p in self.priors.items()}
+
     def observe(self, row, kind: RoundKind, k: int, accepted: int, *, probe: bool | None = None,
                 rows: int = 1) -> None:
         """A row's verdict: k tokens proposed by `kind`'s proposer, `accepted` of them kept, in a
@@ -387,6 +410,8 @@ class BatchPolicy:
             row.plain_run += 1               # no evidence about the draft
         if kind is not RoundKind.PLAIN and k:
             row.accept[kind.value].observe(k, accepted)
+            if kind.value in self.pooled:
+                self.pooled[kind.value].observe(k, accepted)
         if kind is RoundKind.DRAFT:
             if probe is None:
                 probe = row.plain_run >= self._gap(row)
@@ -414,10 +439,8 @@ class BatchPolicy:
         j = 0
         while j < min(L, m) and int(g[j]) == int(emitted[j]):
             j += 1
-        if j < min(L, m):
-            row.accept["lookup"].observe(L, j)
-        else:
-            row.accept["lookup"].observe(min(L, m), min(L, m))
+        k, kept = (L, j) if j < min(L, m) else (min(L, m), min(L, m))
+        row.accept["lookup"].observe(k, kept)
 
     def _draft_can_pay(self, n: int, d: float, graph_t) -> bool:
         """Could a draft round beat a plain step over n rows if every proposal were accepted?

@@ -81,7 +81,9 @@ class Row:
     """A request while it holds a cache row. seq: prompt + emitted tokens; `length`: rows of
     the target cache with K/V (the prompt part prefilled so far, then len(seq) - 1)."""
 
-    def __init__(self, req: Request, budget: int, tokenizer, priors: dict[str, float], k_max: int):
+    def __init__(self, req: Request, budget: int, tokenizer, priors: dict, k_max: int):
+        """priors: per proposer, the prior acceptance (a float: Acceptance(p, 4, 0.9)) or the
+        estimate to start from (an Acceptance: BatchPolicy.row_accept)."""
         self.req, self.budget = req, budget
         self.seq = list(req.prompt)
         self.length = 0                       # prefill progress, then target rows with K/V
@@ -95,7 +97,8 @@ class Row:
         self.error: Exception | None = None   # set (finish "failed"): the request ends with Failed, not Done
         self.lps: list = []                   # TokenLogprob of the round's tokens, in order (req.logprobs set)
         self.metrics = req.metrics or Metrics(method="batched", k=k_max, prompt_tokens=len(req.prompt))
-        self.accept = {kind: Acceptance(p, 4.0, 0.9) for kind, p in priors.items()}   # per proposer
+        self.accept = {kind: p if isinstance(p, Acceptance) else Acceptance(p, 4.0, 0.9)
+                       for kind, p in priors.items()}   # per proposer
         # the policy's probes (policy.py _probe): plain steps since the last draft round, how many
         # before the next probe (None: the policy's cooldown), lookup guesses passed over in a row
         self.plain_run, self.probe_gap, self.lookup_refused = 0, None, 0

@@ -123,3 +123,45 @@ def test_an_unverified_lookup_guess_is_scored_against_what_the_row_emitted(guess
     assert seen == [observed] and len(row.unverified) == 0
     policy.observe_guess(row, emitted)           # scored once
     assert seen == [observed]
+
+
+def test_a_new_row_starts_from_every_row_s_verdicts_scaled_to_a_few_rounds():
+    """policy.row_accept: the pooled estimate's mean and its per-position structure, with at
+    most ROW_WEIGHT rounds of evidence, so a row's own verdicts soon outweigh it. Before any
+    verdict it is the build's prior, as a fresh row's was."""
+    from specrt.runtime.batch.policy import ROW_WEIGHT
+    from specrt.runtime.costs import Acceptance
+    policy = BatchPolicy(None, 4, priors={"draft": 0.9})
+    fresh = Acceptance(0.9, 4.0, 0.9)
+    first = policy.row_accept()["draft"]
+    assert (first.successes, first.failures, first.mean) == pytest.approx((fresh.successes, fresh.failures, fresh.mean))
+    r = rows(policy, 1)[0]
+    for _ in range(60):                  # rounds of 4: the first two kept, the third rejected
+        policy.observe(r, RoundKind.DRAFT, 4, 2)
+    pooled, new = policy.pooled["draft"], policy.row_accept()["draft"]
+    assert new.successes + new.failures == pytest.approx(ROW_WEIGHT)
+    assert new.successes / new.failures == pytest.approx(pooled.successes / pooled.failures)
+    assert new.at(2) < 0.5 < new.at(1)           # the position that fails, from the pooled evidence
+    assert pooled.at(2) < new.at(2) and fresh.at(2) > 0.8      # (scaled down: nearer the row's mean)
+    assert BatchPolicy(None, 4, pooled=policy.pooled).pooled is policy.pooled   # a batch of one's requests share it
+    assert policy.row_accept()["lookup"].mean == pytest.approx(Acceptance(0.5, 4.0, 0.9).mean)   # lookup: its prior
+
+
+def test_the_engine_starts_each_request_from_the_pooled_estimates(tiny_batch_rows_engines, monkeypatch):
+    """A second request's row begins where the policy's pooled estimate of the draft is (here
+    made to say the draft is never right), not at the build's prior; prompt lookup's at its
+    prior (0.5)."""
+    from specrt.runtime.batch.generator import open_batch
+    from specrt.runtime.costs import Acceptance
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=1) as g:
+        pol = g.engine.policy
+        pol.costs = BatchCosts({T: {1: 1.0, 8: 1.0} for T in (1, 2, 4)})
+        wrong = Acceptance(0.5, 0.0, 0.98)
+        wrong.failures = 50.0
+        pol.pooled["draft"] = wrong
+        seen = []
+        choose = pol.choose
+        monkeypatch.setattr(pol, "choose", lambda rs, t: seen.append(
+            (rs[0].accept["draft"].mean, rs[0].accept["lookup"].mean)) or choose(rs, t))
+        g.generate("a b a b a b a b", max_new_tokens=4)
+    assert seen and seen[0][0] < 0.2 and seen[0][1] == pytest.approx(0.5), seen
