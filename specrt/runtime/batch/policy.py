@@ -396,8 +396,9 @@ class BatchPolicy:
         keeps 0.98 (fp32 folder, 2026-12-06), so a request's first rounds drafted 1-2 tokens
         where 4 paid. Prompt lookup's and the pair guess's start from their priors: whether a
         prompt is quoted is the prompt's own (a pooled start for lookup cost x1.008 more on the
-        int4 folder, priced by the table over 40 held-out prompts; ROW_WEIGHT 4 / 16 / 64 for
-        the draft: 0.963 / 0.980 / 0.971 of the old loop, docs/speculation.md)."""
+        int4 folder, priced by the table over 40 held-out prompts). ROW_WEIGHT: with lookup's
+        start pooled too, fp32 x0.963 of the old loop at 4 and x0.980 at 16 in one run, x0.973 at
+        16 and x0.971 at 64 in another (docs/speculation.md has the runs of this rule)."""
         return {kind: self.pooled[kind].start(ROW_WEIGHT, ROW_FORGET) if kind in self.pooled
                 else Acceptance(p, 4.0, ROW_FORGET) for kind, p in self.priors.items()}
 
