@@ -401,7 +401,8 @@ class BatchEngine(DraftRounds):
             row.metrics.pair_rounds += choice.kind is RoundKind.PAIR
             row.metrics.lookup_rounds += choice.kind is RoundKind.LOOKUP and len(p) > 0
             row.metrics.plain_steps += choice.kind is RoundKind.PLAIN
-            if choice.kind is not RoundKind.LOOKUP and row.req.grammar is None:
+            if n == 1 and choice.kind is not RoundKind.LOOKUP and row.req.grammar is None:
+                # (one row only: policy.observe_guess says why)
                 self.policy.observe_guess(row, [*p[:accepted], nxt])
             self._emit(row, p[:accepted], nxt)
         trace.pop()

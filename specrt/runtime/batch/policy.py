@@ -431,7 +431,11 @@ class BatchPolicy:
         all m tokens emitted, at least m (observed as a round of m guesses, all kept). Without it
         the estimate learns only from the rounds it wins and the probes (`_probe`): on the fp32
         folder a row's estimate sat at 0.35-0.5 where its guesses of 4 kept 0.56 a token
-        (12 held-out prompts, every position with a guess), and the policy drafted instead."""
+        (12 held-out prompts, every position with a guess), and the policy drafted instead.
+        The engine scores guesses in steps of one row only: in a batch a lookup step costs every
+        row a verify window, and the steps chosen on these estimates at 4 rows were priced
+        dearer by the table than before (x1.026 on the 12 held-out prompts, x1.003 on 40
+        others; 2026-12-06), so a batch's lookup estimates learn as they did."""
         g = row.unverified
         row.unverified = ()
         if not len(g) or "lookup" not in row.accept:

@@ -434,3 +434,20 @@ def test_lookup_learns_from_the_steps_it_does_not_win(tiny_batch_rows_engines, m
     assert len(scored) >= 3, calls                # a repeating prompt: guesses at many steps
     for guess, emitted, at in scored:
         assert emitted == [want[at]], (guess, emitted, at)      # a plain step: the row's next token
+
+
+def test_a_batch_s_lookup_estimates_learn_from_their_own_rounds_only(tiny_batch_rows_engines, monkeypatch):
+    """Guesses are scored against emitted tokens in steps of one row only (policy.observe_guess:
+    in a batch a lookup step costs every row a window); the answers are the ones alone."""
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=3) as g:
+        eng = g.engine
+        eng.policy.costs = BatchCosts({1: {1: 1.0, 8: 1.0}, 2: {1: 100.0, 8: 100.0}, 4: {1: 100.0, 8: 100.0}})
+        sizes = []
+        orig = eng.policy.observe_guess
+        monkeypatch.setattr(eng.policy, "observe_guess", lambda row, e: sizes.append(len(eng.rows)) or orig(row, e))
+        hold_until_added(eng, 3, monkeypatch)
+        got = [c.tokens for c in g.generate_batch(PROMPTS[:3], max_new_tokens=NEW)]
+        assert eng.stats.row_steps > eng.stats.steps          # rows did share steps
+    assert set(sizes) <= {1}
+    with open_batch(tiny_batch_rows_engines, max_num_seqs=1) as g:
+        assert got == [g.generate(p, max_new_tokens=NEW).tokens for p in PROMPTS[:3]]
