@@ -55,8 +55,9 @@ for line in sys.stdin:
     wall = time.perf_counter() - t0
     m = gen.last_metrics
     live = getattr(getattr(getattr(getattr(gen, "one", None), "full", None), "costs", None), "live", None)
-    live = {"overall": live.snapshot()["overall"], "shapes": {"/".join(map(str, k)): v for k, v in
-            live.snapshot()["shapes"].items()}} if live is not None else None
+    snap = live.snapshot() if live is not None else None
+    live = {"overall": snap["overall"], "shapes": {"/".join(map(str, k)): v for k, v in snap["shapes"].items()}} \
+        if snap is not None else None
     print(json.dumps({"tokens": toks, "seconds": m.time_total - m.time_prefill, "wall": wall,
                       "drafted": m.drafted, "accepted": m.accepted, "live": live}), flush=True)
 """

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         print(f"{n:<12} {rate:>8.1f} {rate / (base['tokens'] / base['seconds']):>7.3f} "
               f"{t['accepted'] / max(t['drafted'], 1):>7.3f} {str(first[n] == first[names[0]]):>12} "
               f"{wall:>13.1f} {wall / (base['tokens'] / base['wall']):>7.3f}")
-    for n in names:             # the loop's corrections of the build's cost table (policy.py LiveCorrection)
+    for n in names:             # the loop's corrections of the build's cost table (runtime/batch/live_costs.py)
         if live.get(n) and live[n]["shapes"]:
             shapes = " ".join(f"{k}:x{f:.2f}({c})" for k, (f, c) in sorted(live[n]["shapes"].items()))
             print(f"{n}: live costs x{live[n]['overall']:.2f} overall; {shapes}")

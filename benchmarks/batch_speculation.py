@@ -10,7 +10,7 @@ windows (`--batch-attention rows`), optionally beside a `gqa` batched folder:
     batch        open_batch: the policy picks plain, pair, lookup or draft rounds per step
                  from the build's batch_costs_ms (the int8 draft inside the batch)
     batch-table  the same, pricing with the build's table alone (not corrected by the loop's
-                 timings: policy.py LiveCorrection, SPECRT_LIVE_COSTS=0)
+                 timings: live_costs.py, SPECRT_LIVE_COSTS=0)
     batch-nodraft  the same without the draft (pair and lookup rounds only)
     batch-plain  speculate=False: plain one-token steps
     gqa          --gqa FOLDER's batched graph, plain one-token steps (the default `--batch`)

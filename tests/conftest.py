@@ -16,7 +16,7 @@ import pytest
 from filelock import FileLock
 
 # engines price their rounds with the build's cost table alone, not corrected by the loop's own
-# timings (runtime/batch/policy.py LiveCorrection): choices that depend on this machine's load
+# timings (runtime/batch/live_costs.py): choices that depend on this machine's load
 # would make the tests that count them flaky; tests/runtime/batch/test_live_costs.py turns it on
 os.environ["SPECRT_LIVE_COSTS"] = "0"
 

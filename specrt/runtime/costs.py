@@ -12,7 +12,7 @@ the build's plan (builder/gates/plan.py) weigh speculation with.
                                             moves the choice within a few rounds
 
 Costs are the build's numbers; the engine corrects them with the times of its own passes
-(runtime/batch/policy.py LiveCorrection; SPECRT_LIVE_COSTS=0 turns that off). That is safe for
+(runtime/batch/live_costs.py; SPECRT_LIVE_COSTS=0 turns that off). That is safe for
 answers: a position's token is a function of its logits, the seed and the position alone
 (runtime/choice.py), whichever rounds ran.
 """

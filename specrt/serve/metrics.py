@@ -109,7 +109,7 @@ class ServerMetrics:
 
 class _StepCosts:
     """specrt_step_cost_factor{engine, shape}: how far the loop's own step times sit from the
-    build's cost table (runtime/batch/policy.py LiveCorrection), per engine copy: "overall" and
+    build's cost table (runtime/batch/live_costs.py), per engine copy: "overall" and
     each shape run ("target/T/rows", "draft/rows"). Far from 1 for long: the table is not this
     machine's now (`specrt retime` the folder). Absent while nothing was observed
     (SPECRT_LIVE_COSTS=0, plain steps only)."""

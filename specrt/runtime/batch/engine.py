@@ -43,7 +43,8 @@ import numpy as np
 from specrt.runtime import nvtx_ranges as trace
 from specrt.runtime.batch.drafting import DraftRounds
 from specrt.runtime.batch.model import BatchModel
-from specrt.runtime.batch.policy import BatchPolicy, RoundKind, live_costs_default
+from specrt.runtime.batch.live_costs import live_costs_default
+from specrt.runtime.batch.policy import BatchPolicy, RoundKind
 from specrt.runtime.batch.request import Delta, Done, Failed, Request, Row, TokenLogprob
 from specrt.runtime.choice import choose, first_mismatch
 from specrt.runtime.grammar import GrammarError
@@ -60,7 +61,7 @@ class EngineStats:
     tokens: int = 0
     finished: int = 0
     choices: collections.Counter = field(default_factory=collections.Counter)   # step kind -> count
-    live: object = None                 # the policy's LiveCorrection once a pass was observed (policy.py)
+    live: object = None                 # the policy's LiveCorrection once a pass was observed (live_costs.py)
 
     @property
     def occupancy(self) -> float:

@@ -39,8 +39,6 @@ alone, so the choices are a function of the verdicts and reproducible.
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Sequence
@@ -48,6 +46,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrt.errors import ManifestError
+from specrt.runtime.batch.live_costs import LiveCorrection
 from specrt.runtime.costs import Acceptance, expected_tokens, manifest_cost, speculation_entry
 from specrt.runtime.proposers.base import Proposer
 
@@ -157,73 +156,6 @@ class BatchCosts:
 
     def table_draft(self, n: int) -> float | None:
         return _interp(self._draft, n) if self._draft else None
-
-
-def live_costs_default() -> bool:
-    """Whether engines correct their cost table in the loop when not told (`live_costs=None`):
-    yes, unless the environment says SPECRT_LIVE_COSTS=0 (the test suite does: choices
-    reproducible, tests/conftest.py)."""
-    v = os.environ.get("SPECRT_LIVE_COSTS", "1").strip().lower()
-    if v in ("1", "true", "yes", "on", ""):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"SPECRT_LIVE_COSTS={v!r}: expected 1 (correct the build's step costs in the loop) or 0 "
-                     "(price with the build's table alone)")
-
-
-class LiveCorrection:
-    """How far the loop's step times sit from the build's table: a factor per shape (a target
-    pass of n rows x T tokens, a draft step of n rows), as log ratios observed / table.
-
-    Each shape's factor is the machine's overall factor (all observations) times its own
-    offset; a shape never observed takes the overall factor alone, so a machine that got
-    uniformly slower moves every price together and the table's shape stands where the loop
-    has no evidence against it. Both follow the running median (a sign step of `eta` toward
-    each observation, in log space; Robbins and Monro's stochastic quantile estimate): a cold
-    call, a page fault or a preempted thread moves an estimate one step, never by its size.
-    Observations outside [1/16, 16] of the table (a suspended process) are dropped.
-
-    What it cannot fix: a shape the table prices too high is never chosen, so never observed
-    (the policy's probes try drafts, not windows)."""
-
-    ETA_ALL = 0.02       # per observation of any shape: about 35 observations to move by x2
-    ETA_SHAPE = 0.04     # per observation of the shape
-    BOUND = math.log(16.0)
-
-    def __init__(self):
-        self.overall = 0.0                       # log factor of the machine now against the build
-        self.offsets: dict[tuple, float] = {}    # shape -> log factor beyond the overall one
-        self.counts: dict[tuple, int] = {}
-
-    def factor(self, shape: tuple) -> float:
-        if not self.counts:
-            return 1.0
-        return math.exp(self.overall + self.offsets.get(shape, 0.0))
-
-    def observe(self, shape: tuple, ratio: float) -> None:
-        if not (isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0):
-            return
-        x = math.log(ratio)
-        if abs(x) > self.BOUND:
-            return
-        off = self.offsets.get(shape, 0.0)
-        est = self.overall + off
-        self.offsets[shape] = off + self.ETA_SHAPE * _sign(x - est)
-        self.overall += self.ETA_ALL * _sign(x - self.overall)
-        self.counts[shape] = self.counts.get(shape, 0) + 1
-
-    def snapshot(self) -> dict:
-        """{"overall": factor, "shapes": {shape: (factor, observations)}}: what the server's
-        /metrics (specrt_step_cost_factor) and the benchmarks show."""
-        counts = list(self.counts.items())      # (one C call: safe beside the engine thread adding shapes)
-        overall = self.overall
-        return {"overall": math.exp(overall),
-                "shapes": {k: (math.exp(overall + self.offsets[k]), c) for k, c in counts}}
-
-
-def _sign(x: float) -> float:
-    return (x > 0) - (x < 0)
 
 
 def _count(key, where: str) -> int:

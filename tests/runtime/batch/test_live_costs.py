@@ -1,4 +1,4 @@
-"""The cost table corrected in the loop (policy.py BatchCosts.observe, LiveCorrection): each
+"""The cost table corrected in the loop (policy.py BatchCosts.observe, live_costs.py LiveCorrection): each
 shape's price follows the running median of its observed / table ratio, shapes never observed
 follow the machine's overall factor, outliers move an estimate one step only, and the policy's
 choices follow the corrected prices. Observations here are synthetic (seeded), so nothing
@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, LiveCorrection, RoundKind, live_costs_default
+from specrt.runtime.batch.live_costs import LiveCorrection, live_costs_default
+from specrt.runtime.batch.policy import BatchCosts, BatchPolicy, RoundKind
 from specrt.runtime.batch.request import Request, Row
 from specrt.runtime.sampling import SamplingParams
 
