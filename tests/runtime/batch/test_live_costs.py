@@ -138,3 +138,25 @@ def test_the_loop_reports_every_pass_it_runs_under_its_shape(tiny_batch_rows_eng
     assert got == plain
     assert sum(ran.values()) > len(prompts)
     assert costs.live.counts == (ran if live else {})
+
+
+def test_a_snapshot_beside_the_engine_thread_adding_shapes_never_fails():
+    """The server's /metrics reads the corrections (snapshot) on its own thread while the engine
+    thread observes new shapes; every snapshot is whole: each shape it lists has its factor."""
+    import threading
+    live = LiveCorrection()
+    done = threading.Event()
+
+    def engine():
+        for i in range(3000):
+            live.observe(("target", i % 97 + 1, i // 97 + 1), 1.1)
+        done.set()
+    t = threading.Thread(target=engine)
+    t.start()
+    snaps = 0
+    while not done.is_set() or snaps == 0:
+        s = live.snapshot()
+        assert all(f > 0 and c > 0 for f, c in s["shapes"].values())
+        snaps += 1
+    t.join()
+    assert len(live.snapshot()["shapes"]) == len(live.counts) > 200
