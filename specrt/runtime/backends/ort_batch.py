@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from specrt.errors import BackendError, GraphFileError, ManifestError
 from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
+from specrt.runtime.backends.huge_pages import collapsed
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
 from specrt.runtime.backends.batch_kv import BatchKV, blocks
 from specrt.runtime.kv import lazy_zeros
@@ -89,11 +90,12 @@ class OrtBatchModel:
         self._sessions: dict[str, ort.InferenceSession] = {}
         self._file_of = {g: entry.graphs[g].file for g in names}
         self._file_of.update({a: self._file_of[s] for a, s in alias.items()})
-        for g in names:
-            f = self._file_of[g]
-            if f not in self._sessions:
-                self._sessions[f] = _session(root / f, threads)
-                _check_signature(self._sessions[f], root / f, entry, dt, shapes.kv_capacity)
+        with collapsed(f"{entry.role} graphs"):      # their packed weights on 2 MiB pages (huge_pages.py)
+            for g in names:
+                f = self._file_of[g]
+                if f not in self._sessions:
+                    self._sessions[f] = _session(root / f, threads)
+                    _check_signature(self._sessions[f], root / f, entry, dt, shapes.kv_capacity)
         # graphs built before logit_pos existed return every position: the positions are picked here
         self.has_positions = {f: any(i.name == LOGIT_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
         # "rows" graphs read L cache positions (a row's result does not depend on L): the rows'

@@ -31,6 +31,7 @@ from specrt import manifest as mf
 from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
 from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.base import Backend, register
+from specrt.runtime.backends.huge_pages import collapsed
 from specrt.runtime.kv import KVCache
 
 # manifest dtype names -> numpy, and ORT's NodeArg.type strings for the signature check
@@ -280,10 +281,11 @@ class OrtModel:
         # unpacked) always pre-pack; in "shared" mode the others share the mapped weights
         modes = {g: "fast" if g == "verify" or len(entry.graphs) == 1 else memory for g in names}
         self.weights = SharedWeights(weights_path, entry) if "shared" in modes.values() else None
-        self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
-                                      self.weights if modes[g] == "shared" else None, threads, modes[g],
-                                      str(Path(profile_dir) / f"{entry.role}-{g}") if profile_dir else None)
-                       for g in names}
+        with collapsed(f"{entry.role} graphs"):      # their packed weights on 2 MiB pages (huge_pages.py)
+            self.graphs = {g: GraphRunner(root / entry.graphs[g].file, entry.graphs[g].tokens, entry, self.cache,
+                                          self.weights if modes[g] == "shared" else None, threads, modes[g],
+                                          str(Path(profile_dir) / f"{entry.role}-{g}") if profile_dir else None)
+                           for g in names}
 
     def argmax_step(self, graph: str, tokens, start: int, out: np.ndarray) -> None:
         """Greedy choice of each row, into out [n] int64 (no allocation)."""
