@@ -163,6 +163,7 @@ def _session(path: Path, threads: int, inputs: dict, outputs: dict):
     import onnx
     import onnxruntime as ort
 
+    from specrt.runtime.backends.huge_pages import collapsed
     from specrt.runtime.backends.ort_cpu import session_options
     try:
         model = onnx.load(str(path), load_external_data=False)
@@ -172,7 +173,8 @@ def _session(path: Path, threads: int, inputs: dict, outputs: dict):
         raise GraphFileError(f"{path} refers to external weight files; a head's graphs hold their weights: train it "
                              "again with `specrt train-draft`")
     try:
-        sess = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        with collapsed("head graph"):          # its LM head's packed weights on 2 MiB pages (huge_pages.py)
+            sess = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
     except Exception as e:
         raise GraphFileError(f"ONNX Runtime could not load {path} ({type(e).__name__}: {str(e)[:300]}): train the "
                              "head again") from None

@@ -8,7 +8,7 @@ AMD EPYC VM (AVX2, THP "madvise"), one process, the same graphs interleaved: a v
 5 tokens on the batched fp32 graph 23.6-25.0 ms on 4 KiB pages, 22.4 on 2 MiB; the one-row GQA
 verify graph 22.6 -> 21.6 (and which model was created first in a process was up to 6 % slower
 on 4 KiB pages, not on 2 MiB). Starting the process with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
-gave the same, but only a process's launcher can set that.
+gave about the same, but only a process's launcher can set that.
 
 `collapsed()` (a context manager around session creation) finds the anonymous memory that
 appeared while its body ran (the sessions' packed weights and arenas) and asks the kernel to
@@ -17,8 +17,9 @@ khugepaged's background pace. Memory that asked for small pages (the lazily page
 runtime/kv.py lazy_zeros: MADV_NOHUGEPAGE) and memory that existed before are left alone. Only
 whole 2 MiB blocks inside a region are collapsed; a region smaller than MIN_BYTES is skipped
 (an arena's spare tail would be filled in for nothing). A kernel or platform without it, or a
-refusal (EAGAIN when memory is short), leaves the pages as they were: the result is the same
-numbers on other pages, never an error. SPECRT_HUGE_PAGES=0 turns it off.
+refusal (EAGAIN when memory is short), leaves the pages as they were: never an error, and the
+answers never depend on it (the same bytes, on other pages). SPECRT_HUGE_PAGES=0 turns it off.
+Two threads opening models at once each collapse the other's new memory too, which is harmless.
 """
 from __future__ import annotations
 
