@@ -3,7 +3,7 @@
     make bench-concurrency                        # venvs, peer models, llama-server, then the sweep
     .venv/bin/python benchmarks/concurrency.py [--systems a,b] [--clients 1,8] [--prompts 4] [--json F] [--rounds 3]
         [--specrt-serve-args '--workers 1 --queue-size 64'] [--specrt-serve-args-alt '--max-num-seqs {clients}']
-        [--specrt-checkout-alt /tmp/old]
+        [--specrt-checkout-alt /tmp/old] [--specrt-engines-alt /tmp/old/artifacts/smollm2-int4]
     .venv/bin/python benchmarks/concurrency.py --list
 
 The same requests for every system: the first --prompts held-out prompts of
@@ -138,7 +138,8 @@ def make_runner(s: System, a, log_dir: Path):
     from runners import GenaiBatches, LlamaServer, OpenVINOBatching, SpecrtBatched, SpecrtServer, SpecrtStream
     if s.kind == "specrt-server":
         alt = s.name.endswith("-alt")
-        return SpecrtServer(s.name, s.path, a.specrt_serve_args_alt if alt else a.specrt_serve_args,
+        path = Path(a.specrt_engines_alt) if alt and a.specrt_engines_alt else s.path
+        return SpecrtServer(s.name, path, a.specrt_serve_args_alt if alt else a.specrt_serve_args,
                             a.threads, log_dir, checkout=a.specrt_checkout_alt if alt else None)
     return {"specrt-stream": lambda: SpecrtStream(s.name, s.path, a.threads),
             "specrt-batch": lambda: SpecrtBatched(s.name, s.path, a.threads),
@@ -259,6 +260,9 @@ def main(argv=None) -> int:
     ap.add_argument("--specrt-checkout-alt", default=None,
                     help="run the -alt servers from this checkout of specrt (its PYTHONPATH), e.g. an older commit "
                          "from `git archive REV | tar -x -C /tmp/old`: the same engines, two versions, one sweep")
+    ap.add_argument("--specrt-engines-alt", default=None,
+                    help="the -alt servers' engine folder (default: the same as the system without -alt), e.g. "
+                         "the folder the older checkout built, when it cannot load today's")
     ap.add_argument("--prompt-file", help="a .jsonl or text prompt file (default: the shipped prompts.jsonl)")
     ap.add_argument("--log-dir", default=str(ROOT / ".cache/peers/logs"), help="the servers' output")
     ap.add_argument("--json", help="write everything (per-request times and answers included) here")

@@ -85,14 +85,18 @@ class SpecrtServer(_Server):
     `--max-num-seqs {clients}`): then the server is restarted for each concurrency level."""
 
     health = "/health"
-    env = {"PYTHONPATH": str(ROOT)}             # this checkout's specrt, whatever the venv installed
+    # this checkout's specrt, whatever the venv installed; PYTHONSAFEPATH: `python -m` would put the
+    # working directory (the repository root, where the benchmarks run) before PYTHONPATH, and an
+    # -alt server given another checkout ran this one's code (found 2026-12-07: its tok/s and RSS
+    # equal to the last digit)
+    env = {"PYTHONPATH": str(ROOT), "PYTHONSAFEPATH": "1"}
 
     def __init__(self, name: str, engines: Path, serve_args: str, threads: int, log_dir: Path,
                  checkout: str | Path | None = None):
         super().__init__(log_dir)
         self.name, self.engines, self.serve_args, self.threads = name, engines, serve_args, threads
         if checkout is not None:        # another checkout's specrt (an A/B of two versions)
-            self.env = {"PYTHONPATH": str(Path(checkout).resolve())}
+            self.env = {"PYTHONPATH": str(Path(checkout).resolve()), "PYTHONSAFEPATH": "1"}
 
     def command(self, clients, port):
         return [sys.executable, "-m", "specrt.cli", "serve", str(self.engines), "--port", str(port),
