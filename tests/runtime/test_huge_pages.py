@@ -7,6 +7,7 @@ alone, never a speed."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import sys
 
@@ -134,14 +135,15 @@ def test_it_is_off_with_the_environment_switch(monkeypatch):
     m.close()
 
 
-def test_a_refusal_leaves_the_pages_and_is_reported_not_raised(monkeypatch):
+def test_a_refusal_leaves_the_pages_and_is_reported_not_raised(monkeypatch, caplog):
     monkeypatch.setattr(huge_pages, "enabled", lambda: True)
     region = "7f0000000000-7f0002000000 rw-p 00000000 00:00 0\n"
     monkeypatch.setattr(huge_pages, "_read", lambda name, texts=iter(["", region, region + "VmFlags: rd wr\n"]): next(texts))
     monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda a, n, advice: -1)
-    with collapsed("test") as report:
+    with caplog.at_level(logging.INFO, logger=huge_pages.__name__), collapsed("test") as report:
         pass
     assert report["bytes"] == 0 and report["refused"] == 32 * M
+    assert "32 MiB refused" in caplog.text and "MADV_COLLAPSE" in caplog.text and huge_pages.ENV in caplog.text
 
 
 def test_the_batched_model_creates_its_sessions_inside_it(tiny_batch_engines, monkeypatch):

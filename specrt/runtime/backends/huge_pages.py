@@ -37,6 +37,8 @@ HUGE = 2 << 20                   # x86-64 and arm64 (4 KiB base pages) PMD size
 MIN_BYTES = 8 << 20              # smaller regions are not worth a collapse
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 ENV = "SPECRT_HUGE_PAGES"
+WHY_HINT = ("Linux before 6.1 has no MADV_COLLAPSE, and a kernel short of free huge pages refuses; the pages stay as "
+            f"they were, steps may run a few percent slower; {ENV}=0 skips the attempt")
 
 
 def enabled() -> bool:
@@ -124,6 +126,7 @@ def collapsed(what: str = "ONNX Runtime sessions"):
     except (OSError, AttributeError):
         return
     done = refused = 0
+    why = None
     for a, b in blocks:
         # MADV_HUGEPAGE first: it lets khugepaged finish what a refused collapse leaves, and
         # the VMA keeps it for memory that grows later
@@ -132,10 +135,13 @@ def collapsed(what: str = "ONNX Runtime sessions"):
             done += b - a
         else:
             refused += b - a
+            why = why or os.strerror(ctypes.get_errno())
     report.update(bytes=done, refused=refused, seconds=time.perf_counter() - t0)
-    if done or refused:
-        log.debug("%s: %d MiB on 2 MiB pages (%d MiB refused) in %.2f s", what, done >> 20, refused >> 20,
-                  report["seconds"])
+    if refused or report["seconds"] > 1.0:      # slow (a large model) or refused: say so once a load
+        log.info("%s: %d MiB of packed weights moved to 2 MiB pages in %.1f s%s", what, done >> 20,
+                 report["seconds"], f"; {refused >> 20} MiB refused ({why}: {WHY_HINT})" if refused else "")
+    elif done:
+        log.debug("%s: %d MiB on 2 MiB pages in %.2f s", what, done >> 20, report["seconds"])
 
 
 __all__ = ["collapsed", "anonymous_regions", "new_blocks", "enabled", "ENV"]
