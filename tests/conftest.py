@@ -170,13 +170,15 @@ def tiny_batch_rows_engines(tmp_path_factory, tiny_pair) -> Path:
 @pytest.fixture(scope="session")
 def tiny_head(tmp_path_factory, tiny_pair) -> tuple[Path, Path]:
     """(engines, head): the tiny fp32 target's batched model in rows attention returning the
-    hidden states of layers 0 and 1 (`--batch --hidden-layers 0,1`), and a draft head trained
-    on its answers by `specrt train-draft`'s recipe (24 prompts x 24 tokens; seconds)."""
+    hidden states of layers 0 and 1 (`--batch --hidden-layers 0,1`) with the int8 self-draft
+    beside it (as `--preset smollm2 --batch --hidden-layers ...` builds: its one-token graph
+    returns no hidden states), and a draft head trained on its answers by `specrt
+    train-draft`'s recipe (24 prompts x 24 tokens; seconds)."""
     target, _ = tiny_pair
 
     def make(d):
         from specrt.heads.recipe import Recipe, run
-        eng = build_tiny(d / "eng", target, "none", batch=True, batch_attention="rows", measure_costs=True,
+        eng = build_tiny(d / "eng", target, "int8", batch=True, batch_attention="rows", measure_costs=True,
                          ngram_tokens=0, hidden_layers=(0, 1))
         run(Recipe(engines=eng, out=d / "head", max_prompts=24, max_new_tokens=24, draft_vocab=64, steps=3,
                    epochs=8, lr=3e-3, seed=0, max_num_seqs=4), progress=False)

@@ -163,7 +163,8 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
     graph_attention (batched only): graph -> its attention instead of `attention`, over the same
     cache (the same layout and in-place update; a symbolic length where `attention` has one),
     recorded as part["graph_attention"]: the int8 self-draft's one-token "gqa" steps beside a
-    "rows" step graph (builder/gates/batch.py)."""
+    "rows" step graph (builder/gates/batch.py). Such a graph returns no hidden states: it is a
+    draft's, and a head reads the target's (a draft and a head never run together)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     graph_attention = dict(graph_attention or {})
     if graph_attention and (batch is None or any(
@@ -180,7 +181,8 @@ def export_model(lm: LoadedModel, shapes: mf.Shapes, out_dir: Path, *, graphs=("
         for g in graphs:
             t0 = time.perf_counter()
             module = build_module(lm, tokens[g], shapes.kv_capacity, layers, graph_attention.get(g, attention),
-                                  precision, static_total, batch, tuple(hidden_layers),
+                                  precision, static_total, batch,
+                                  tuple(hidden_layers) if g not in graph_attention else (),
                                   grow_cache=(attention == "rows") if g in graph_attention else None)
             fused[g] = export_graph(module, Path(tmp) / f"{g}.onnx")
             protos[g] = onnx.load(str(Path(tmp) / f"{g}.onnx"))

@@ -95,7 +95,8 @@ class OrtBatchModel:
                 f = self._file_of[g]
                 if f not in self._sessions:
                     self._sessions[f] = _session(root / f, threads)
-                    _check_signature(self._sessions[f], root / f, entry, dt, shapes.kv_capacity)
+                    _check_signature(self._sessions[f], root / f, entry, dt, shapes.kv_capacity,
+                                     hidden_optional=g == "draft")
         # graphs built before logit_pos existed return every position: the positions are picked here
         self.has_positions = {f: any(i.name == LOGIT_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
         # "rows" graphs read L cache positions (a row's result does not depend on L): the rows'
@@ -103,6 +104,9 @@ class OrtBatchModel:
         # take a cache of L positions (a symbolic length: the cache grows, BatchKV); older ones
         # read the first L positions of the whole cache, L = the length of their kv_pos input
         self.has_kv_pos = {f: any(i.name == KV_POS for i in s.get_inputs()) for f, s in self._sessions.items()}
+        # the int8 self-draft's own graph returns no hidden states (export_model's graph_attention)
+        self.has_hidden = {f: any(o.name == entry.io.get("hidden_states") for o in s.get_outputs())
+                           for f, s in self._sessions.items()}
         grows = {f: cache_length_symbolic(s, entry) and not self.has_kv_pos[f] for f, s in self._sessions.items()}
         if len(set(grows.values())) > 1:
             raise GraphFileError(f"the {entry.role} graphs {sorted(grows)} disagree on the cache's length (symbolic in "
@@ -236,7 +240,8 @@ class OrtBatchModel:
                 np.copyto(dst[first_row, :, start:start + T2], src[0, :, start:start + T2])
         self.cache.written(first_row, past, T2)
         if self.hidden_width:
-            self.hidden = self._hidden[:n2 * T2 * self.hidden_width].reshape(n2, T2, -1)[:n, :T]
+            self.hidden = self._hidden[:n2 * T2 * self.hidden_width].reshape(n2, T2, -1)[:n, :T] \
+                if self.has_hidden[file] else None
         if not self.in_place:   # returned K/V: row i's T new rows go to its cache at starts[i]
             for j, buf in enumerate(self.cache.keys + self.cache.values):
                 nk = new[j]
@@ -320,7 +325,7 @@ class OrtBatchModel:
         b.bind_ortvalue_output(io["logits"], value(logits))
         if pos is not None:
             b.bind_ortvalue_input(LOGIT_POS, value(pos))
-        if self.hidden_width:
+        if self.hidden_width and self.has_hidden[key[0]]:
             b.bind_ortvalue_output(io["hidden_states"],
                                    value(self._hidden[:n * T * self.hidden_width].reshape(n, T, -1)))
         new = []
@@ -381,11 +386,13 @@ def check_multi_token_rows(limit: int | None, n: int, T: int) -> None:
                            f"tokens per row for at most {limit} row(s) on the CPU")
 
 
-def _check_signature(session, path: Path, entry: ModelEntry, dt: dict, capacity: int) -> None:
+def _check_signature(session, path: Path, entry: ModelEntry, dt: dict, capacity: int,
+                     hidden_optional: bool = False) -> None:
     """The graph's tensors are the manifest's: the names, dtypes and static dims (KV heads, head
     size, vocabulary, and the cache capacity where the graph fixes it: shapes.max_context edited
     alone must not reach ONNX Runtime; rows and tokens are symbolic), as ort_cpu checks its
-    graphs. logit_pos and kv_pos are the graph's own optional inputs."""
+    graphs. logit_pos and kv_pos are the graph's own optional inputs; hidden_optional: so is
+    hidden_states (the int8 self-draft's graph, whose hidden states no head reads)."""
     io, d = entry.io, entry.dims
     past = (None, int(d["kv_heads"]), capacity, int(d["head_dim"]))     # [rows, KVH, capacity, D]
     new = (None, int(d["kv_heads"]), None, int(d["head_dim"]))          # [rows, KVH, T, D] (copied back)
@@ -395,7 +402,8 @@ def _check_signature(session, path: Path, entry: ModelEntry, dt: dict, capacity:
     outputs = {io["logits"]: ((None, None, int(d["vocab"])), dt["logits"]),
                **{io[k] % i: (past if entry.in_place else new, dt["kv"]) for i in range(entry.layers)
                   for k in out_kv}}
-    if io_has_hidden(entry):
+    if io_has_hidden(entry) and not (hidden_optional and all(o.name != io["hidden_states"]
+                                                              for o in session.get_outputs())):
         outputs[io["hidden_states"]] = ((None, None, len(d["hidden_layers"]) * int(d["hidden"])), "float32")
     for kind, want, have in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
         got = {t.name: (tuple(t.shape), t.type) for t in have if t.name not in (LOGIT_POS, KV_POS)}
