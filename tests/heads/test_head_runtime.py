@@ -170,3 +170,40 @@ def test_a_head_folder_with_a_linked_head_json_or_graphs_of_other_shapes_is_refu
     (other / "head.json").write_text(json.dumps(meta))
     with pytest.raises(GraphFileError, match="do not match head.json"):
         open_batch(engines, head=other)
+
+
+def test_the_self_drafts_graph_returns_no_hidden_states_and_the_step_graph_must(tiny_head):
+    """A folder built with --hidden-layers and the int8 self-draft (as the presets build): the
+    target's step graph returns the hidden states a head reads, the draft's one-token graph
+    none (its output once made ONNX Runtime refuse every draft call, and the build failed);
+    the signature check lets only the draft graph go without, and after a draft call the
+    model holds no hidden states of the target's."""
+    import onnxruntime as ort
+
+    from specrt import manifest as mf
+    from specrt.runtime.backends.ort_batch import OrtBatchModel, _check_signature
+    from specrt.runtime.backends.ort_cpu import io_dtypes, session_options
+    engines, _ = tiny_head
+    man = mf.load(engines)
+    entry, root = man.batch, engines
+    dt = io_dtypes(entry)
+    assert {"step", "draft"} <= set(entry.graphs)
+    sess = {g: ort.InferenceSession(str(root / entry.graphs[g].file), session_options(2),
+                                    providers=["CPUExecutionProvider"]) for g in ("step", "draft")}
+    outs = {g: {o.name for o in s.get_outputs()} for g, s in sess.items()}
+    assert entry.io["hidden_states"] in outs["step"] and entry.io["hidden_states"] not in outs["draft"]
+    cap = man.shapes.kv_capacity
+    _check_signature(sess["draft"], root / "draft", entry, dt, cap, hidden_optional=True)
+    _check_signature(sess["step"], root / "step", entry, dt, cap, hidden_optional=True)
+    with pytest.raises(GraphFileError, match="missing"):
+        _check_signature(sess["draft"], root / "draft", entry, dt, cap)
+
+    target = OrtBatchModel(root, entry, man.shapes, rows=2, graphs=tuple(g for g in ("step", "prefill")
+                                                                       if g in entry.graphs))
+    draft = OrtBatchModel(root, entry, man.shapes, rows=2, graphs=("draft",), cache=target.cache, serves="draft",
+                          min_rows=1)
+    toks, starts = np.array([[5], [7]], np.int64), np.array([3, 4], np.int64)
+    target.step("step", toks, starts)
+    assert target.hidden.shape == (2, 1, target.hidden_width)
+    draft.step("decode", toks, starts)
+    assert draft.hidden is None
