@@ -58,8 +58,41 @@ def test_rows_are_padded_where_the_graph_wants_even_rows(tiny_batch_b64_engines)
     man = mf.load(tiny_batch_b64_engines)
     assert man.batch.io.get("row_multiple") == 2
     rows = {r["use"]: r for r in kernels.runtime_shapes(man)}
-    assert rows["decode, 1 request"]["rows"] == 2           # one request's step runs two rows
-    assert rows["prompt chunk"]["rows"] == 2 and rows["decode, 8 requests"]["rows"] == 8
+    shape = {use: (r["rows"], r["tokens"], r["logit_rows"]) for use, r in rows.items()}
+    c, k = man.shapes.prefill_chunk, man.shapes.k
+    assert shape["decode, 1 request"] == (2, 1, 2)              # a lone one-token row: a padding row
+    assert shape["decode, 8 requests"] == (8, 1, 8)
+    assert shape["pair round, 1 request"] == (1, 2, 2)          # even already
+    # one row of several tokens: one token more where odd, never a second row (that would time
+    # twice the work: the table said a 64-token prompt chunk cost two rows' worth, 2026-12-07)
+    assert shape[f"verify window (k={k}), 1 request"] == (1, k + 1 + (k + 1) % 2, k + 1 + (k + 1) % 2)
+    assert shape["prompt chunk"] == (1, c + c % 2, 2)           # one logit position, padded to two
+
+
+def test_the_table_times_the_calls_the_runtime_binds(tiny_batch_b64_engines, monkeypatch):
+    """What the engine really runs on a padded folder (a long prompt in chunks, then steps), as
+    the calls bound in ONNX Runtime: the table's prompt chunk and one-request decode are those."""
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    from specrt.runtime.batch.generator import open_batch
+    bound = set()
+    real = OrtBatchModel._binding
+
+    def spy(self, graph, first_row, n, T, P, alone=None):
+        bound.add((self._file_of[graph], n, T, n * P))
+        return real(self, graph, first_row, n, T, P, alone)
+
+    monkeypatch.setattr(OrtBatchModel, "_binding", spy)
+    man = mf.load(tiny_batch_b64_engines)
+    gen = open_batch(tiny_batch_b64_engines, max_num_seqs=2)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(3, 100, 2 * man.shapes.prefill_chunk + 3)]
+        gen.generate(prompt, max_new_tokens=6)
+    finally:
+        gen.close()
+    rows = {r["use"]: r for r in kernels.runtime_shapes(man)}
+    for use in ("prompt chunk", "decode, 1 request"):
+        r = rows[use]
+        assert (r["graph"], r["rows"], r["tokens"], r["logit_rows"]) in bound, (use, sorted(bound))
 
 
 def test_a_one_row_folder_times_its_own_graphs(tiny_int4_engines):

@@ -35,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt import manifest as mf
+from specrt.runtime.backends.ort_batch import padded_call
 
 FAMILIES = ("fp32", "int4", "int8", "int8row")
 STEP_ROWS = (4, 8, 16, 24, 32)        # decode steps of n requests at once
@@ -86,18 +87,19 @@ def _quantizations(man: mf.Manifest) -> dict:
 
 def runtime_shapes(man: mf.Manifest) -> list[dict]:
     """The calls this folder's runtime makes: {use, rows, tokens, logit_rows, graph}; rows are
-    the call's rows as run (an odd count padded where the graph wants even rows)."""
+    the call as run where the graph wants an even number of rows (the runtime's padding,
+    ort_batch.padded_call: a lone one-token row gets a padding row, one row of an odd number of
+    tokens one token more; a prompt chunk of 64 tokens runs as one row)."""
     s, batch = man.shapes, man.models.get("batch")
     out = []
 
-    def add(use, rows, tokens, graph, logit_rows=None):
+    def add(use, rows, tokens, graph, logits_a_row=None):
         if graph is None:
             return
         mult = int((batch.io or {}).get("row_multiple", 1)) if batch is not None and \
             Path(graph).parent == Path(batch.weights["file"]).parent else 1
-        rows = -(-rows // mult) * mult
-        out.append({"use": use, "rows": rows, "tokens": tokens, "graph": graph,
-                    "logit_rows": rows * tokens if logit_rows is None else logit_rows})
+        rows, tokens, P = padded_call(rows, tokens, tokens if logits_a_row is None else logits_a_row, mult)
+        out.append({"use": use, "rows": rows, "tokens": tokens, "graph": graph, "logit_rows": rows * P})
 
     if batch is not None:
         step, prefill = batch.graphs["step"].file, batch.graphs.get("prefill", batch.graphs["step"]).file
@@ -125,7 +127,7 @@ def runtime_shapes(man: mf.Manifest) -> list[dict]:
     for c in sorted({s.prefill_chunk, *PROMPT_CHUNKS}):
         if c <= s.max_context:
             use = "prompt chunk" if c == s.prefill_chunk else f"prompt chunk with --prefill-chunk {c}"
-            add(use, 1, c, prefill, logit_rows=1)
+            add(use, 1, c, prefill, logits_a_row=1)
     return out
 
 

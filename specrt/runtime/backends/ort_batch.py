@@ -44,6 +44,19 @@ def batch_graphs(entry: ModelEntry) -> bool:
     return all(getattr(g, "batch", None) == "dynamic" for g in entry.graphs.values())
 
 
+def padded_call(n: int, T: int, P: int, row_multiple: int) -> tuple[int, int, int]:
+    """(rows, tokens, logit positions) of a call of n rows x T tokens (logits at P positions a
+    row) as a model whose io row_multiple is 2 runs it: an even number of activation rows and
+    of logit rows. One row of several tokens gets one token more (written one past the row's
+    own) and one position more; a one-token step (GroupQueryAttention's one-token path must
+    stay that path) or several rows get one padding row after them. The kernel table times
+    the calls so padded (builder/gates/kernels.py)."""
+    if row_multiple > 1 and (n * T % 2 or n * P % 2):
+        if n == 1 and T > 1:
+            return n, T + T % 2, P + P % 2
+        return n + 1, T, P
+    return n, T, P
+
 class OrtBatchModel:
     def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, rows: int, cache: BatchKV | None = None,
                  graphs: tuple[str, ...] | None = None, threads: int = 2, min_rows: int | None = None,
@@ -187,18 +200,13 @@ class OrtBatchModel:
         gathered = positions is not None and self.has_positions[file]
         P = positions.shape[1] if gathered else T
         assert not gathered or n * P >= self.min_rows, (graph, n, P, self.min_rows)
-        n2, T2, P2 = n, T, P            # the call as run: padded to an even number of rows
-        if self.row_multiple > 1 and (n * T % 2 or n * P % 2):
-            if n == 1 and T > 1:        # one row of several tokens: one token more (written one past the
-                T2, P2 = T + T % 2, P + P % 2       # row's own), one position more
-                if static:
-                    raise BackendError(f"a one-row {graph} step of {T} tokens on a model that pads calls to an even "
-                                       "number of rows needs a graph with a dynamic T")
-            else:                       # a one-token step (GroupQueryAttention's one-token path must stay
-                n2 = n + 1              # the one-token path) or several rows: one padding row after them
-                if pad_start is None and first_row + n < self.rows:
-                    raise BackendError(f"an odd call of {n} rows pads with cache row {first_row + n}, which may hold "
-                                       "a request: give pad_start (that row's length)")
+        n2, T2, P2 = padded_call(n, T, P, self.row_multiple)     # the call as run
+        if T2 > T and static:
+            raise BackendError(f"a one-row {graph} step of {T} tokens on a model that pads calls to an even "
+                               "number of rows needs a graph with a dynamic T")
+        if n2 > n and pad_start is None and first_row + n < self.rows:
+            raise BackendError(f"an odd call of {n} rows pads with cache row {first_row + n}, which may hold "
+                               "a request: give pad_start (that row's length)")
         need = int(starts.max()) + T2          # the furthest position the call writes, plus one
         if n2 > n:
             pad_at = 0 if pad_start is None else int(pad_start)
