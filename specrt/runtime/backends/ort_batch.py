@@ -57,6 +57,7 @@ def padded_call(n: int, T: int, P: int, row_multiple: int) -> tuple[int, int, in
         return n + 1, T, P
     return n, T, P
 
+
 class OrtBatchModel:
     def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, rows: int, cache: BatchKV | None = None,
                  graphs: tuple[str, ...] | None = None, threads: int = 2, min_rows: int | None = None,
