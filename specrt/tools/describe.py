@@ -187,6 +187,14 @@ def describe(man: mf.Manifest) -> str:
         pg = m.source.get("prefill_graph")
         if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization
             lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}: {pg.get('runs')}")
+        ci = (m.parity or {}).get("chunk_invariance") if isinstance(m.parity, dict) else None
+        if role == "batch" and isinstance(ci, dict) and isinstance(ci.get("chunks"), list) and len(ci["chunks"]) == 2:
+            small, big = ci["chunks"]
+            lines.append(f"  chunks   a request alone: prompt chunks of {big} tokens (the same bits as {small})"
+                         if ci.get("equal") is True else
+                         f"  chunks   prompt chunks of {small} tokens always ({big} tokens give other numbers: "
+                         f"max |delta logit| {ci.get('max_abs_logit_delta', '?')})" if ci.get("equal") is False else
+                         f"  chunks   prompt chunks of {small} tokens always ({ci.get('why', 'not checked')})")
         dg = m.source.get("draft_graph")
         if isinstance(dg, dict):      # the int8 self-draft inside a batch
             agree = (m.parity or {}).get("draft_agreement") if isinstance(m.parity, dict) else None

@@ -85,12 +85,18 @@ def test_the_table_times_the_calls_the_runtime_binds(tiny_batch_b64_engines, mon
     man = mf.load(tiny_batch_b64_engines)
     gen = open_batch(tiny_batch_b64_engines, max_num_seqs=2)
     try:
-        prompt = [int(t) for t in np.random.default_rng(0).integers(3, 100, 2 * man.shapes.prefill_chunk + 3)]
-        gen.generate(prompt, max_new_tokens=6)
+        lone = gen.engine.lone_prefill_tokens
+        assert lone > man.shapes.prefill_chunk                  # the folder showed its chunks give the same bits
+        rng = np.random.default_rng(0)
+        # the first prompt is prefilled alone (the larger chunks), the second beside the first's
+        # decoding (the folder's chunks)
+        a, b = ([int(t) for t in rng.integers(3, 100, lone + 3)] for _ in range(2))
+        gen.generate_batch([a, b], max_new_tokens=12, ignore_eos=True)
     finally:
         gen.close()
     rows = {r["use"]: r for r in kernels.runtime_shapes(man)}
-    for use in ("prompt chunk", "decode, 1 request"):
+    assert rows["prompt chunk, a request alone"]["tokens"] == lone
+    for use in ("prompt chunk", "prompt chunk, a request alone", "decode, 1 request"):
         r = rows[use]
         assert (r["graph"], r["rows"], r["tokens"], r["logit_rows"]) in bound, (use, sorted(bound))
 

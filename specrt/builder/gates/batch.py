@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.builder.gates.chunks import chunk_invariance
 from specrt.errors import ParityError
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
         inv = _never_one_row(tmp, part, shapes, prompts, inv)
     part["parity"] = {"batch_invariance": inv,
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
-                      "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts)}
+                      "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts),
+                      "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts)}
     if draft is not None:
         part["parity"]["draft_agreement"] = draft_agreement(tmp, part, shapes, prompts)
     inv = part["parity"]["batch_invariance"]

@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt import manifest as mf
-from specrt.runtime.backends.ort_batch import padded_call
+from specrt.runtime.backends.ort_batch import lone_prefill_tokens, padded_call
 
 FAMILIES = ("fp32", "int4", "int8", "int8row")
 STEP_ROWS = (4, 8, 16, 24, 32)        # decode steps of n requests at once
@@ -124,9 +124,12 @@ def runtime_shapes(man: mf.Manifest) -> list[dict]:
         if man.draft is not None and "decode" in man.draft.graphs:
             add("draft step", 1, man.draft.graphs["decode"].tokens, man.draft.graphs["decode"].file)
         prefill = t["prefill"].file
-    for c in sorted({s.prefill_chunk, *PROMPT_CHUNKS}):
+    # a request alone prefills in the larger chunk the build showed gives the same bits
+    lone = lone_prefill_tokens(batch, s) if batch is not None else s.prefill_chunk
+    for c in sorted({s.prefill_chunk, lone, *PROMPT_CHUNKS}):
         if c <= s.max_context:
-            use = "prompt chunk" if c == s.prefill_chunk else f"prompt chunk with --prefill-chunk {c}"
+            use = "prompt chunk" if c == s.prefill_chunk else "prompt chunk, a request alone" if c == lone \
+                else f"prompt chunk with --prefill-chunk {c}"
             add(use, 1, c, prefill, logits_a_row=1)
     return out
 

@@ -58,14 +58,32 @@ def padded_call(n: int, T: int, P: int, row_multiple: int) -> tuple[int, int, in
     return n, T, P
 
 
+def lone_prefill_tokens(entry: ModelEntry, shapes: Shapes) -> int:
+    """The prompt chunk of a request alone in the engine (no row decoding beside it): the larger
+    chunk the build showed gives the same bits as the folder's own (parity.chunk_invariance,
+    builder/gates/chunks.py), else the folder's chunk. A larger chunk only when nothing waits on
+    the step: beside running rows it would hold their next token that much longer."""
+    rec = (entry.parity or {}).get("chunk_invariance")
+    if rec is None:
+        return shapes.prefill_chunk
+    chunks = rec.get("chunks") if isinstance(rec, dict) else None
+    if not (isinstance(chunks, list) and len(chunks) == 2 and all(type(c) is int and c >= 1 for c in chunks)):
+        raise ManifestError(f"models.{entry.role}.parity.chunk_invariance={rec!r}: the manifest was edited; "
+                            "rebuild the engines with `specrt build ... --batch`")
+    if rec.get("equal") is not True or chunks[0] != shapes.prefill_chunk:
+        return shapes.prefill_chunk
+    return max(chunks[1], shapes.prefill_chunk)
+
+
 class OrtBatchModel:
     def __init__(self, root: Path, entry: ModelEntry, shapes: Shapes, *, rows: int, cache: BatchKV | None = None,
                  graphs: tuple[str, ...] | None = None, threads: int = 2, min_rows: int | None = None,
-                 serves: str = "step"):
+                 serves: str = "step", call_tokens: int | None = None):
         """graphs: the entry's graphs to load (default: all). serves: the graph that runs the
         engine's prefill, decode and verify calls not named by a graph of their own: "step" for
         the target; "draft" for the int8 self-draft inside a batch (graphs=("draft",), over the
-        target's cache)."""
+        target's cache). call_tokens: the longest one-row call (default: a prompt chunk of a
+        request alone, lone_prefill_tokens; the buffers hold it)."""
         if not batch_graphs(entry):
             raise ManifestError(f"the {entry.role} graphs of these engines have no batch dimension (built by an "
                                 "older specrt): rebuild them with `specrt build` to serve many requests at once, "
@@ -153,21 +171,24 @@ class OrtBatchModel:
         # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
         self.multi_token_rows = 1 if self._attention(root, entry, names) == "gqa" else None
         t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2) + spare
+        if call_tokens is None:
+            call_tokens = lone_prefill_tokens(entry, shapes) if serves != "draft" else 0
         V = int(d["vocab"])
         R = rows + spare
-        self._ids = np.zeros(R * t_max, DTYPES[dt["input_ids"]])
+        flat = max(R * t_max, call_tokens + spare)          # rows x tokens of the largest call
+        self._ids = np.zeros(flat, DTYPES[dt["input_ids"]])
         self._past = np.zeros(R, DTYPES[dt["past_len"]])
-        self._pos = np.zeros(R * t_max, np.int64)
-        self._every = np.arange(t_max, dtype=np.int64)       # logit_pos of a step that wants every position
-        self._logits = np.zeros(R * t_max * V, DTYPES[dt["logits"]])
+        self._pos = np.zeros(flat, np.int64)
+        self._every = np.arange(max(t_max, call_tokens + spare), dtype=np.int64)   # logit_pos: every position
+        self._logits = np.zeros(flat * V, DTYPES[dt["logits"]])
         kvh, hd = int(d["kv_heads"]), int(d["head_dim"])
-        self._new = [np.zeros(R * kvh * t_max * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
+        self._new = [np.zeros(flat * kvh * hd, self.cache.dtype) for _ in range(2 * entry.layers)] \
             if not self.in_place else []
         self._vocab, self._kvh, self._hd = V, kvh, hd
         # graphs built with --hidden-layers also return the tapped layers' outputs at every position
         # (a trained draft head reads them): bound to one buffer; `hidden` is the last call's [n, T, F]
         self.hidden_width = len(d.get("hidden_layers") or ()) * int(d["hidden"]) if io_has_hidden(entry) else 0
-        self._hidden = np.zeros(R * t_max * self.hidden_width, np.float32)
+        self._hidden = np.zeros(flat * self.hidden_width, np.float32)
         self.hidden: np.ndarray | None = None
         self._bindings: dict[tuple, tuple] = {}
         self._alone: list[np.ndarray] = []     # a one-row call's own cache (_alone_views), made at first use

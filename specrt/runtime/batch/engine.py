@@ -72,7 +72,8 @@ class BatchEngine(DraftRounds):
     def __init__(self, target: BatchModel, *, max_num_seqs: int, max_context: int, prefill_tokens: int,
                  k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
                  draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1,
-                 prefill_budget: int | None = None, head=None, live_costs: bool | None = None):
+                 prefill_budget: int | None = None, head=None, live_costs: bool | None = None,
+                 lone_prefill_tokens: int | None = None):
         """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
@@ -87,7 +88,11 @@ class BatchEngine(DraftRounds):
         its next draft round feeds them (_draft_head).
         live_costs: correct the policy's cost table with the times of this loop's own passes
         (policy.py BatchCosts.observe; None: on unless SPECRT_LIVE_COSTS=0). Choices only: a
-        row's tokens never depend on it."""
+        row's tokens never depend on it.
+        lone_prefill_tokens: the prompt chunk of a request alone (no row running beside it, the
+        model's prompt graph taking any T): a larger one the build showed gives the same bits
+        (ort_batch.lone_prefill_tokens; None: prefill_tokens). Beside running rows, and with a
+        draft model of its own (whose buffers hold prefill_tokens), chunks stay prefill_tokens."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
@@ -96,6 +101,10 @@ class BatchEngine(DraftRounds):
         self.target, self.draft, self.policy, self.head = target, draft, policy, head
         self.max_num_seqs, self.max_context, self.k_max, self.vocab = max_num_seqs, max_context, k_max, vocab
         self.prefill_tokens = prefill_tokens
+        lone = prefill_tokens if lone_prefill_tokens is None else int(lone_prefill_tokens)
+        if lone < prefill_tokens:
+            raise ValueError(f"lone_prefill_tokens={lone} is below prefill_tokens={prefill_tokens}")
+        self.lone_prefill_tokens = lone if not target.graph_tokens.get("prefill", 0) else prefill_tokens
         if prefill_budget is not None and (not isinstance(prefill_budget, int) or isinstance(prefill_budget, bool)
                                            or prefill_budget < 1):
             raise ValueError(f"prefill_budget={prefill_budget!r} must be a positive number of tokens")
@@ -110,7 +119,7 @@ class BatchEngine(DraftRounds):
         self.stats = EngineStats()
         self._lock = threading.Lock()
         T = max(self._graph_t("verify", k_max + 1), self._graph_t("decode", 2), prefill_tokens, 2, min_tokens)
-        self._tokens = np.zeros((max_num_seqs, T), np.int64)     # [n, T] a step's token windows
+        self._tokens = np.zeros((max_num_seqs, max(T, self.lone_prefill_tokens)), np.int64)   # [n, T] token windows
         self._starts = np.zeros(max_num_seqs, np.int64)          # [n] each row's past length
         self._scratch = np.zeros(vocab, np.float32)
         self._masked = np.zeros(vocab, np.float32)                # a row's logits under its grammar
@@ -269,7 +278,10 @@ class BatchEngine(DraftRounds):
     def _prefill_chunk(self) -> int:
         """One chunk of the pending row's prompt; returns its tokens."""
         row, slot = self.pending, len(self.rows)
-        prompt, T = row.req.prompt, self.prefill_tokens
+        # a request alone: the larger chunk (the same bits, builder/gates/chunks.py), as nothing
+        # waits on this step; beside running rows the folder's chunk bounds their wait
+        alone = not self.rows and not self._own_draft
+        prompt, T = row.req.prompt, self.lone_prefill_tokens if alone else self.prefill_tokens
         chunk = prompt[row.length:row.length + T]
         if not self.target.graph_tokens.get("prefill", 0):
             # a graph with a symbolic T runs the chunk unpadded (a short prompt's last chunk costs
