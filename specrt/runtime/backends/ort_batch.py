@@ -22,13 +22,14 @@ before the next step.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from specrt.errors import BackendError, GraphFileError, ManifestError
+from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
 from specrt.manifest import KV_POS, LOGIT_POS, ModelEntry, Shapes
 from specrt.runtime.backends.huge_pages import collapsed
 from specrt.runtime.backends.ort_cpu import DTYPES, ORT_TYPES, check_weights_file, io_dtypes, session_options
@@ -62,9 +63,15 @@ def lone_prefill_tokens(entry: ModelEntry, shapes: Shapes) -> int:
     """The prompt chunk of a request alone in the engine (no row decoding beside it): the larger
     chunk the build showed gives the same bits as the folder's own (parity.chunk_invariance,
     builder/gates/chunks.py), else the folder's chunk. A larger chunk only when nothing waits on
-    the step: beside running rows it would hold their next token that much longer."""
+    the step: beside running rows it would hold their next token that much longer.
+    SPECRT_LONE_PREFILL=0 keeps the folder's chunk (the larger call's working memory: server RSS
+    +108-115 MiB after long prompts on SmolLM2, docs/benchmarks.md)."""
+    v = os.environ.get("SPECRT_LONE_PREFILL", "1").strip().lower()
+    if v not in ("1", "true", "yes", "on", "", "0", "false", "no", "off"):
+        raise ConfigError(f"SPECRT_LONE_PREFILL={v!r}: expected 1 (a request alone prefills in the larger chunk "
+                          "its folder allows) or 0 (always the folder's chunk)")
     rec = (entry.parity or {}).get("chunk_invariance")
-    if rec is None:
+    if rec is None or v in ("0", "false", "no", "off"):
         return shapes.prefill_chunk
     chunks = rec.get("chunks") if isinstance(rec, dict) else None
     if not (isinstance(chunks, list) and len(chunks) == 2 and all(type(c) is int and c >= 1 for c in chunks)):

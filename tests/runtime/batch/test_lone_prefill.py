@@ -14,7 +14,7 @@ from fake_batch import FakeLM
 
 from specrt import manifest as mf
 from specrt.builder.gates import chunks
-from specrt.errors import ManifestError
+from specrt.errors import ConfigError, ManifestError
 from specrt.runtime.backends.ort_batch import lone_prefill_tokens
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.generator import open_batch
@@ -111,6 +111,11 @@ def test_the_gate_decides_and_the_runtime_follows(monkeypatch, tiny_batch_rows_e
     bad = entry.__class__(**{**entry.__dict__, "parity": {**entry.parity, "chunk_invariance": {"chunks": "64"}}})
     with pytest.raises(ManifestError, match="rebuild"):
         lone_prefill_tokens(bad, shapes)
+    monkeypatch.setenv("SPECRT_LONE_PREFILL", "0")          # the switch: the folder's chunk always
+    assert lone_prefill_tokens(entry, shapes) == C
+    monkeypatch.setenv("SPECRT_LONE_PREFILL", "maybe")
+    with pytest.raises(ConfigError, match="SPECRT_LONE_PREFILL"):
+        lone_prefill_tokens(entry, shapes)
 
 
 def test_inspect_says_which_chunk_a_request_alone_runs(tiny_batch_rows_engines):
