@@ -12,7 +12,7 @@ tokens fed in chunks of the folder's size, and again as one chunk of that size, 
 LONE_CHUNKS times it (starting off its own multiple, as when the rows beside a prompt finish
 half-way through it) and an odd remainder (a model that pads odd calls pads it), and compares
 the last logits and every layer's K/V of the prompt's positions bit for bit. The runtime uses the larger chunk
-only when this says equal (runtime/backends/ort_batch.py lone_prefill_tokens); a graph that
+only when this says equal (runtime/backends/batch_calls.py lone_prefill_tokens); a graph that
 rounds otherwise (ONNX Runtime's GroupQueryAttention takes another path for several tokens)
 keeps the folder's chunk.
 """

@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt import manifest as mf
-from specrt.runtime.backends.ort_batch import lone_prefill_tokens, padded_call
+from specrt.runtime.backends.batch_calls import lone_prefill_tokens, padded_call
 
 FAMILIES = ("fp32", "int4", "int8", "int8row")
 STEP_ROWS = (4, 8, 16, 24, 32)        # decode steps of n requests at once
@@ -88,7 +88,7 @@ def _quantizations(man: mf.Manifest) -> dict:
 def runtime_shapes(man: mf.Manifest) -> list[dict]:
     """The calls this folder's runtime makes: {use, rows, tokens, logit_rows, graph}; rows are
     the call as run where the graph wants an even number of rows (the runtime's padding,
-    ort_batch.padded_call: a lone one-token row gets a padding row, one row of an odd number of
+    batch_calls.padded_call: a lone one-token row gets a padding row, one row of an odd number of
     tokens one token more; a prompt chunk of 64 tokens runs as one row)."""
     s, batch = man.shapes, man.models.get("batch")
     out = []

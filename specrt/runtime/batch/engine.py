@@ -91,7 +91,7 @@ class BatchEngine(DraftRounds):
         row's tokens never depend on it.
         lone_prefill_tokens: the prompt chunk of a request alone (no row running beside it, the
         model's prompt graph taking any T): a larger one the build showed gives the same bits
-        (ort_batch.lone_prefill_tokens; None: prefill_tokens). Beside running rows, and with a
+        (backends/batch_calls.py; None: prefill_tokens). Beside running rows, and with a
         draft model of its own (whose buffers hold prefill_tokens), chunks stay prefill_tokens."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:

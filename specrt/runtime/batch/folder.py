@@ -83,7 +83,7 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     tok = Tokenizer(root, man.tokenizer)
     grammars = grammars_for((root / man.tokenizer["file"]).read_text(encoding="utf-8"),
                             tuple(sorted(tok.eos_token_ids)), int(entry.dims["vocab"]))
-    from specrt.runtime.backends.ort_batch import lone_prefill_tokens
+    from specrt.runtime.backends.batch_calls import lone_prefill_tokens
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,

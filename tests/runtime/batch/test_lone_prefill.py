@@ -15,7 +15,7 @@ from fake_batch import FakeLM
 from specrt import manifest as mf
 from specrt.builder.gates import chunks
 from specrt.errors import ConfigError, ManifestError
-from specrt.runtime.backends.ort_batch import lone_prefill_tokens
+from specrt.runtime.backends.batch_calls import lone_prefill_tokens
 from specrt.runtime.batch.engine import BatchEngine
 from specrt.runtime.batch.generator import open_batch
 from specrt.runtime.batch.policy import BatchPolicy

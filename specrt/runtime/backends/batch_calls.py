@@ -1,0 +1,47 @@
+"""The shapes of a batched model's calls, shared by the runtime (ort_batch.py: the buffers and
+the padding it binds) and the build's kernel table (builder/gates/kernels.py: the shapes it
+times), so the two cannot drift apart: a call padded for a kernel that rounds an odd row apart
+(io row_multiple 2), and the prompt chunk of a request alone."""
+from __future__ import annotations
+
+import os
+
+from specrt.errors import ConfigError, ManifestError
+from specrt.manifest import ModelEntry, Shapes
+
+
+def padded_call(n: int, T: int, P: int, row_multiple: int) -> tuple[int, int, int]:
+    """(rows, tokens, logit positions) of a call of n rows x T tokens (logits at P positions a
+    row) as a model whose io row_multiple is 2 runs it: an even number of activation rows and
+    of logit rows. One row of several tokens gets one token more (written one past the row's
+    own) and one position more; a one-token step (GroupQueryAttention's one-token path must
+    stay that path) or several rows get one padding row after them. The kernel table times
+    the calls so padded (builder/gates/kernels.py)."""
+    if row_multiple > 1 and (n * T % 2 or n * P % 2):
+        if n == 1 and T > 1:
+            return n, T + T % 2, P + P % 2
+        return n + 1, T, P
+    return n, T, P
+
+
+def lone_prefill_tokens(entry: ModelEntry, shapes: Shapes) -> int:
+    """The prompt chunk of a request alone in the engine (no row decoding beside it): the larger
+    chunk the build showed gives the same bits as the folder's own (parity.chunk_invariance,
+    builder/gates/chunks.py), else the folder's chunk. A larger chunk only when nothing waits on
+    the step: beside running rows it would hold their next token that much longer.
+    SPECRT_LONE_PREFILL=0 keeps the folder's chunk (the larger call's working memory: server RSS
+    +108-115 MiB after long prompts on SmolLM2, docs/benchmarks.md)."""
+    v = os.environ.get("SPECRT_LONE_PREFILL", "1").strip().lower()
+    if v not in ("1", "true", "yes", "on", "", "0", "false", "no", "off"):
+        raise ConfigError(f"SPECRT_LONE_PREFILL={v!r}: expected 1 (a request alone prefills in the larger chunk "
+                          "its folder allows) or 0 (always the folder's chunk)")
+    rec = (entry.parity or {}).get("chunk_invariance")
+    if rec is None or v in ("0", "false", "no", "off"):
+        return shapes.prefill_chunk
+    chunks = rec.get("chunks") if isinstance(rec, dict) else None
+    if not (isinstance(chunks, list) and len(chunks) == 2 and all(type(c) is int and c >= 1 for c in chunks)):
+        raise ManifestError(f"models.{entry.role}.parity.chunk_invariance={rec!r}: the manifest was edited; "
+                            "rebuild the engines with `specrt build ... --batch`")
+    if rec.get("equal") is not True or chunks[0] != shapes.prefill_chunk:
+        return shapes.prefill_chunk
+    return max(chunks[1], shapes.prefill_chunk)
