@@ -18,6 +18,9 @@ slower than it is. Retime where the folder serves, when it is quiet.
   and by what the costs were measured.
 - The plan (`chosen`, `predicted`) is recomputed from the new costs and the acceptance the
   build measured (its draft's agreement with the target), as the build computes it.
+- A batched model's prompt chunks are checked again (`models.batch.parity.chunk_invariance`,
+  builder/gates/chunks.py): whether a request alone may prefill in larger chunks with the same
+  bits on this machine's kernels. Folders built before that check get it here.
 """
 from __future__ import annotations
 
@@ -76,9 +79,21 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     except Exception as e:      # the step costs above are written all the same
         out(f"retime: the kernel table could not be measured ({type(e).__name__}: {e}); the folder keeps "
             "the one it had")
-    dataclasses.replace(man, build=build).save(root)
+    models = dict(man.models)
+    if man.batch is not None:
+        # whether a request alone may prefill in larger chunks (the same bits on this machine's
+        # kernels: builder/gates/chunks.py); folders built before the check get it here
+        from specrt.builder.gates import chunks
+        from specrt.builder.steps import prompt_ids
+        from specrt.runtime.tokenizer import Tokenizer
+        out("retime: prompt chunks of a request alone (the same bits in larger chunks?)")
+        rec = chunks.measure(root, man.batch, man.shapes,
+                             prompt_ids(Tokenizer(root, man.tokenizer), int(man.batch.dims["vocab"])))
+        models["batch"] = dataclasses.replace(man.batch, parity={**man.batch.parity, "chunk_invariance": rec})
+    dataclasses.replace(man, build=build, models=models).save(root)
     out(f"retime: {summary(previous)} -> {summary(spec)}")
-    out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels)")
+    out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels"
+        + (", models.batch.parity.chunk_invariance)" if man.batch is not None else ")"))
     return spec
 
 

@@ -87,3 +87,26 @@ def test_a_gpu_folder_is_refused_naming_where_its_costs_come_from(tiny_batch_row
     with pytest.raises(ConfigError, match="GPU"):
         retime(eng, out=lambda line: None)
     assert json.loads((eng / "manifest.json").read_text()) == json.loads(raw)
+
+
+def test_retime_gives_a_folder_built_before_the_chunk_check_its_record(tiny_batch_rows_engines, tmp_path, capsys):
+    """A folder built before builder/gates/chunks.py existed has no chunk_invariance, so a request
+    alone prefills in the folder's chunks; retime measures it where the folder serves."""
+    from specrt.runtime.backends.batch_calls import lone_prefill_tokens
+    eng = copy_engines(tiny_batch_rows_engines, tmp_path)
+    built = mf.load(eng).batch.parity["chunk_invariance"]
+
+    def drop(raw):
+        del raw["models"]["batch"]["parity"]["chunk_invariance"]
+
+    edit_manifest(eng, drop)
+    man = mf.load(eng)
+    assert lone_prefill_tokens(man.batch, man.shapes) == man.shapes.prefill_chunk
+    before_files = _files(eng)
+    assert main(["retime", str(eng)]) == 0
+    assert "models.batch.parity.chunk_invariance" in capsys.readouterr().out
+    man = mf.load(eng)
+    assert man.batch.parity["chunk_invariance"] == built          # the build's verdict, measured again
+    assert lone_prefill_tokens(man.batch, man.shapes) == 4 * man.shapes.prefill_chunk
+    assert _files(eng) == before_files
+

@@ -28,8 +28,15 @@ LONE_CHUNKS = 4        # the larger chunk: this many of the folder's
 
 
 def chunk_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
+    """The gate at build time, over the batched model's part in the build's folder."""
+    from specrt.builder.manifest_writer import model_entry
+    return measure(tmp, model_entry("batch", part, "batch"), shapes, prompts)
+
+
+def measure(root: Path, entry, shapes, prompts) -> dict:
     """{"equal", "chunks": [C, LONE_CHUNKS * C], "tokens", "max_abs_logit_delta",
-    "max_abs_kv_delta"}; equal None (with "why") when the context is too short to check."""
+    "max_abs_kv_delta"}; equal None (with "why") when the context is too short to check. Also
+    `specrt retime`'s, over a built folder's models.batch (where it serves)."""
     C = shapes.prefill_chunk
     big = LONE_CHUNKS * C
     n = big + C + 3
@@ -42,7 +49,7 @@ def chunk_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     ids = (ids * (n // len(ids) + 1))[:n]
     small = [C] * (n // C) + ([n % C] if n % C else [])
     mixed = [C, big, n - C - big]
-    (la, kva), (lb, kvb) = _fed(tmp, part, shapes, ids, small, big), _fed(tmp, part, shapes, ids, mixed, big)
+    (la, kva), (lb, kvb) = _fed(root, entry, shapes, ids, small, big), _fed(root, entry, shapes, ids, mixed, big)
     logit_delta = float(np.max(np.abs(la - lb)))
     kv_delta = max(float(np.max(np.abs(a - b))) for a, b in zip(kva, kvb))
     equal = bool(np.array_equal(la, lb) and all(np.array_equal(a, b) for a, b in zip(kva, kvb)))
@@ -52,15 +59,13 @@ def chunk_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     return {**record, "equal": equal, "max_abs_logit_delta": logit_delta, "max_abs_kv_delta": kv_delta}
 
 
-def _fed(tmp: Path, part: dict, shapes, ids: list[int], sizes: list[int], call_tokens: int):
+def _fed(root: Path, entry, shapes, ids: list[int], sizes: list[int], call_tokens: int):
     """The prompt's last logits and its positions' K/V per layer, fed in chunks of `sizes` into
     row 0 of a fresh one-row model, as the engine feeds a prompt (runtime/batch/engine.py
     _prefill_chunk: the chunk unpadded, logits of its last min_rows positions)."""
-    from specrt.builder.manifest_writer import model_entry
     from specrt.runtime.backends.ort_batch import OrtBatchModel
-    entry = model_entry("batch", part, "batch")
     graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
-    model = OrtBatchModel(tmp, entry, shapes, rows=1, threads=2, graphs=graphs, call_tokens=call_tokens)
+    model = OrtBatchModel(root, entry, shapes, rows=1, threads=2, graphs=graphs, call_tokens=call_tokens)
     P = max(model.min_rows, 1)
     last, s = None, 0
     assert sum(sizes) == len(ids) and all(c >= 1 for c in sizes), sizes

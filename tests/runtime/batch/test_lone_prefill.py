@@ -90,7 +90,7 @@ def test_the_gate_decides_and_the_runtime_follows(monkeypatch, tiny_batch_rows_e
 
     seen = []
 
-    def fed(tmp, part, shapes, ids, sizes, call_tokens):
+    def fed(root, entry, shapes, ids, sizes, call_tokens):
         seen.append(sizes)
         kv = [np.zeros((2, len(ids), 4), np.float32)]
         last = np.zeros(V, np.float32)
@@ -99,7 +99,7 @@ def test_the_gate_decides_and_the_runtime_follows(monkeypatch, tiny_batch_rows_e
         return last, kv
 
     monkeypatch.setattr(chunks, "_fed", fed)
-    got = chunks.chunk_invariance(None, None, shapes, [[5, 6, 7]])
+    got = chunks.measure(None, entry, shapes, [[5, 6, 7]])
     C = shapes.prefill_chunk
     assert seen[0] == [C] * 5 + [3] and seen[1] == [C, 4 * C, 3]     # an odd tail; the large one off its multiple
     assert got["equal"] is False and got["max_abs_logit_delta"] == pytest.approx(1e-6)
