@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 
 def live_costs_default() -> bool:
@@ -45,6 +46,10 @@ class LiveCorrection:
         self.overall = 0.0                       # log factor of the machine now against the build
         self.offsets: dict[tuple, float] = {}    # shape -> log factor beyond the overall one
         self.counts: dict[tuple, int] = {}
+        # the engine thread observes, the server's /metrics thread takes snapshots: copying a dict
+        # while another thread adds keys can fail even in one C call (an allocation may run the
+        # garbage collector, which runs Python code and lets the other thread in; seen in CI)
+        self._lock = threading.Lock()
 
     def factor(self, shape: tuple) -> float:
         if not self.counts:
@@ -57,19 +62,20 @@ class LiveCorrection:
         x = math.log(ratio)
         if abs(x) > self.BOUND:
             return
-        off = self.offsets.get(shape, 0.0)
-        est = self.overall + off
-        self.offsets[shape] = off + self.ETA_SHAPE * _sign(x - est)
-        self.overall += self.ETA_ALL * _sign(x - self.overall)
-        self.counts[shape] = self.counts.get(shape, 0) + 1
+        with self._lock:
+            off = self.offsets.get(shape, 0.0)
+            est = self.overall + off
+            self.offsets[shape] = off + self.ETA_SHAPE * _sign(x - est)
+            self.overall += self.ETA_ALL * _sign(x - self.overall)
+            self.counts[shape] = self.counts.get(shape, 0) + 1
 
     def snapshot(self) -> dict:
         """{"overall": factor, "shapes": {shape: (factor, observations)}}: what the server's
         /metrics (specrt_step_cost_factor) and the benchmarks show."""
-        counts = list(self.counts.items())      # (one C call: safe beside the engine thread adding shapes)
-        overall = self.overall
+        with self._lock:
+            counts, offsets, overall = dict(self.counts), dict(self.offsets), self.overall
         return {"overall": math.exp(overall),
-                "shapes": {k: (math.exp(overall + self.offsets[k]), c) for k, c in counts}}
+                "shapes": {k: (math.exp(overall + offsets[k]), c) for k, c in counts.items()}}
 
 
 def _sign(x: float) -> float:
