@@ -73,7 +73,9 @@ def test_the_table_times_the_calls_the_runtime_binds(tiny_batch_b64_engines, mon
     """What the engine really runs on a padded folder (a long prompt in chunks, then steps), as
     the calls bound in ONNX Runtime: the table's prompt chunk and one-request decode are those."""
     from specrt.runtime.backends.ort_batch import OrtBatchModel
-    from specrt.runtime.batch.generator import open_batch
+    from specrt.runtime.batch.folder import batch_engine
+    from specrt.runtime.batch.request import Request
+    from specrt.runtime.sampling import SamplingParams
     bound = set()
     real = OrtBatchModel._binding
 
@@ -83,17 +85,20 @@ def test_the_table_times_the_calls_the_runtime_binds(tiny_batch_b64_engines, mon
 
     monkeypatch.setattr(OrtBatchModel, "_binding", spy)
     man = mf.load(tiny_batch_b64_engines)
-    gen = open_batch(tiny_batch_b64_engines, max_num_seqs=2)
-    try:
-        lone = gen.engine.lone_prefill_tokens
-        assert lone > man.shapes.prefill_chunk                  # the folder showed its chunks give the same bits
-        rng = np.random.default_rng(0)
-        # the first prompt is prefilled alone (the larger chunks), the second beside the first's
-        # decoding (the folder's chunks)
-        a, b = ([int(t) for t in rng.integers(3, 100, lone + 3)] for _ in range(2))
-        gen.generate_batch([a, b], max_new_tokens=12, ignore_eos=True)
-    finally:
-        gen.close()
+    # the engine stepped here, not on the generator's thread: which prompt is prefilled beside a
+    # running row must not depend on when the second request reached the thread
+    eng, _ = batch_engine(tiny_batch_b64_engines, max_num_seqs=2)
+    lone = eng.lone_prefill_tokens
+    assert lone > man.shapes.prefill_chunk                      # the folder showed its chunks give the same bits
+    rng = np.random.default_rng(0)
+    # both queued before the first step: the first prompt is prefilled alone (the larger chunks),
+    # the second's first chunk beside the first's decoding (the folder's chunk)
+    for _ in range(2):
+        eng.add(Request([int(t) for t in rng.integers(3, 100, lone + 3)], 12, SamplingParams(), 0, ignore_eos=True))
+    for _ in range(500):
+        if not eng.step() and eng.idle():
+            break
+    assert eng.idle()
     rows = {r["use"]: r for r in kernels.runtime_shapes(man)}
     assert rows["prompt chunk, a request alone"]["tokens"] == lone
     for use in ("prompt chunk", "prompt chunk, a request alone", "decode, 1 request"):
