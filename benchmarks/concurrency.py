@@ -84,6 +84,10 @@ SYSTEMS = {s.name: s for s in [
     # runs them through an int8 graph): make engines-int4-same
     System("specrt-int4same-alt", "specrt serve int4, int4 prefill, alt args", "specrt-server",
            ROOT / "artifacts/smollm2-int4-same"),
+    # int4, the int8 prompt graph attending as the step graph does (`--batch-prefill rowwise`; the
+    # int4 default's attends with GroupQueryAttention): make engines-int4-rowwise
+    System("specrt-int4rowwise-alt", "specrt serve int4, rows prompt graph, alt args", "specrt-server",
+           ROOT / "artifacts/smollm2-int4-rowwise"),
     # int4, the batched model with --batch-attention gqa (plain one-token steps): make engines-int4-gqa
     System("specrt-int4gqa-alt", "specrt serve int4, gqa attention, alt args", "specrt-server",
            ROOT / "artifacts/smollm2-int4-gqa"),

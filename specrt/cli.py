@@ -261,12 +261,15 @@ def make_parser() -> argparse.ArgumentParser:
                         "decodes many requests at once on one copy of the weights (ort-cpu; adds one graph and "
                         "a copy of the weights on disk); every request, the single stream too, then runs on it, "
                         "so the folder gives one answer however it is called")
-    b.add_argument("--batch-prefill", choices=("auto", "same", "rowwise"), default=None,
+    b.add_argument("--batch-prefill", choices=("auto", "same", "rowwise", "rowwise-gqa"), default=None,
                    help="how the batched model runs prompt chunks: 'rowwise' (a second graph with int8 per-channel "
                         "weights, ONNX Runtime's int8 GEMM: ~2.7x faster prefill on CPUs with VNNI/AMX and, for an "
-                        "int4 target, prompt K/V closer to fp32, for an int8 copy of the weights in memory) or "
-                        "'same' (the batched graph, quantized as the target: one copy of the weights); decode "
-                        "steps keep the target's precision. Default 'auto': rowwise for int4, same otherwise")
+                        "int4 target, prompt K/V closer to fp32, for an int8 copy of the weights in memory), "
+                        "'rowwise-gqa' (that graph attending with ONNX Runtime's fused GroupQueryAttention beside "
+                        "a 'rows' step graph: faster long prompts; not with --hidden-layers) or 'same' (the "
+                        "batched graph, quantized as the target: one copy of the weights); decode steps keep the "
+                        "target's precision. Default 'auto': rowwise-gqa for int4 (rowwise with --hidden-layers), "
+                        "same otherwise")
     b.add_argument("--batch-attention", choices=("gqa", "rows"), default=None,
                    help="the batched model's attention: 'rows' (plain ops over each call's used part of the "
                         "cache: a batch verifies several tokens per row, so it speculates) or 'gqa' "

@@ -114,12 +114,34 @@ def tiny_batch_engines(tmp_path_factory, tiny_pair) -> Path:
     """The tiny target quantized to int4 with its batched copy, as `specrt build --precision
     int4 --batch --batch-attention gqa` makes it: the graph "step" with a symbolic row count
     (GroupQueryAttention, int4: plain one-token steps, every caller), and "prefill", the same
-    graph with int8 per-channel weights for prompt chunks (`--batch-prefill auto` is rowwise for
-    int4); no draft."""
+    graph with int8 per-channel weights for prompt chunks (`--batch-prefill auto`, rowwise-gqa for
+    int4: rowwise, as the step graph already attends with GroupQueryAttention); no draft."""
     target, _ = tiny_pair
     return _once(tmp_path_factory, "eng-batch", lambda d: build_tiny(d / "batch", target, "none", precision="int4",
                                                                      block_size=16, batch=True, batch_attention="gqa",
                                                                      ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_int4_engines(tmp_path_factory, tiny_pair) -> Path:
+    """The tiny target as `specrt build --precision int4 --batch` makes it by default: the step
+    graph in "rows" attention (int4), the prompt graph int8 per channel attending with
+    GroupQueryAttention over the same cache (`--batch-prefill auto` is rowwise-gqa for int4), and
+    the int8 self-draft's one-token graph ("draft", GroupQueryAttention) beside them."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-int4",
+                 lambda d: build_tiny(d / "batch4", target, "int8", precision="int4", block_size=16, batch=True,
+                                      measure_costs=True, ngram_tokens=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_int4_rowwise_engines(tmp_path_factory, tiny_pair) -> Path:
+    """tiny_batch_int4_engines with `--batch-prefill rowwise`: the prompt graph attends as the
+    step graph does ("rows"), everything else the same."""
+    target, _ = tiny_pair
+    return _once(tmp_path_factory, "eng-batch-int4-rowwise",
+                 lambda d: build_tiny(d / "batch4r", target, "int8", precision="int4", block_size=16, batch=True,
+                                      batch_prefill="rowwise", measure_costs=True, ngram_tokens=0))
 
 
 @pytest.fixture(scope="session")

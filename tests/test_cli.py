@@ -129,7 +129,10 @@ def test_build_passes_batch_prefill_to_the_config_and_refuses_it_without_batch(c
     assert seen["cfg"].batch_prefill == "auto" and seen["cfg"].batch_prefill_graph == "same"     # fp32
     rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--precision", "int4"],
                     capsys)
-    assert rc == 0 and seen["cfg"].batch_prefill_graph == "rowwise"
+    assert rc == 0 and seen["cfg"].batch_prefill_graph == "rowwise-gqa"
+    rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--precision", "int4",
+                     "--batch-prefill", "rowwise-gqa"], capsys)
+    assert rc == 0 and seen["cfg"].batch_prefill == "rowwise-gqa"
     rc, _, _ = _cli(["build", "--target", tmp_path / "m", "--out", tmp_path / "o", "--batch", "--precision", "int4",
                      "--batch-prefill", "same"], capsys)
     assert rc == 0 and seen["cfg"].batch_prefill_graph == "same"

@@ -25,7 +25,7 @@ DRAFT_KINDS = ("'int8' (blockwise weight-only INT8 copy of the target, sharing i
 # speculative decoding agree bit for bit (builder/gates/rows.py); fp32 compute (1) makes
 # the verify pass ~3x a decode step. The LM head is quantized: an fp32 head costs 0-23%
 # more per int4 step for +4 points of top-1 agreement (--lm-head fp32).
-BATCH_PREFILL = ("auto", "same", "rowwise")     # BuildConfig.batch_prefill
+BATCH_PREFILL = ("auto", "same", "rowwise", "rowwise-gqa")     # BuildConfig.batch_prefill
 BATCH_ATTENTION = ("gqa", "rows")       # BuildConfig.batch_attention
 PRECISIONS = {
     "fp32": None,
@@ -113,8 +113,13 @@ class BuildConfig:
     # "rowwise" (a second graph, int8 per-channel weights x int8 rows, MatMulIntegerToFloat:
     # ONNX Runtime's int8 GEMM, ~2.7x faster than int4 MatMulNBits on a 48-token chunk on this
     # CPU, at the cost of an int8 copy of the weights); decode steps keep the target's precision.
-    # "auto": rowwise for int4 (measured on SmolLM2 int4: faster prompts and closer to fp32, the
-    # prompt's K/V coming from 8-bit weights; docs/batching.md), same otherwise (batch_prefill_graph)
+    # "rowwise-gqa": that graph attending with ONNX Runtime's GroupQueryAttention beside a "rows"
+    # step graph (the same cache; one row a prompt chunk, which GroupQueryAttention runs; x0.86-0.94
+    # of the rows prompt graph's time on a 930-token prompt, AVX2 EPYC 2026-12-07), gated like the
+    # rest (builder/gates/chunks.py prompt_invariance). It returns no hidden states: not with
+    # --hidden-layers. "auto": rowwise-gqa for int4 (rowwise with --hidden-layers; measured on
+    # SmolLM2 int4: faster prompts and closer to fp32, the prompt's K/V coming from 8-bit weights;
+    # docs/batching.md), same otherwise (batch_prefill_graph)
     batch_prefill: str = "auto"
     # the batched graph's attention: None ("rows" for a gqa target, else the target's;
     # gates/batch.batch_attention), "gqa" (GroupQueryAttention) or "rows" (plain ops over the
@@ -192,6 +197,10 @@ class BuildConfig:
                                        for i in self.hidden_layers)
                                    or list(self.hidden_layers) != sorted(set(self.hidden_layers))):
             raise ConfigError(f"hidden_layers={self.hidden_layers!r}: give increasing layer indices, e.g. 2,15,27")
+        if self.batch_prefill == "rowwise-gqa" and self.hidden_layers:
+            raise ConfigError("--batch-prefill rowwise-gqa with --hidden-layers: the GroupQueryAttention prompt graph "
+                              "returns no hidden states, which a trained head reads after every prompt: give "
+                              "--batch-prefill rowwise (or leave it out)")
         if self.batch_prefill not in ("auto", "same") and not self.batch:
             raise ConfigError(f"--batch-prefill {self.batch_prefill} sets how the batched model prefills: add --batch")
         if self.backend != "auto":
@@ -290,11 +299,16 @@ class BuildConfig:
 
     @property
     def batch_prefill_graph(self) -> str:
-        """How the batched model runs prompt chunks, "auto" resolved: "rowwise" (a second, int8
-        per-channel graph) for an int4 target, "same" (the step graph) otherwise."""
+        """How the batched model runs prompt chunks, "auto" resolved: "rowwise-gqa" (a second,
+        int8 per-channel graph attending with GroupQueryAttention; "rowwise", attending as the
+        step graph, with --hidden-layers) for an int4 target, "same" (the step graph) otherwise.
+        gates/batch.prefill_attention keeps an "auto" rowwise-gqa as rowwise where the batched
+        model attends otherwise than "rows" or "gqa"."""
         if self.batch_prefill != "auto":
             return self.batch_prefill
-        return "rowwise" if self.batch and self.precision == "int4" else "same"
+        if not (self.batch and self.precision == "int4"):
+            return "same"
+        return "rowwise" if self.hidden_layers else "rowwise-gqa"
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -185,8 +185,14 @@ def describe(man: mf.Manifest) -> str:
             lines.append(f"  attention {m.source['attention']}"
                          + (" (several tokens a row in a batch: speculates)" if m.source["attention"] == "rows" else ""))
         pg = m.source.get("prefill_graph")
-        if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization
-            lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}: {pg.get('runs')}")
+        if pg:      # `--batch-prefill rowwise`: the prompt-chunk graph's own quantization (and attention)
+            att = pg.get("attention")
+            pi = (m.parity or {}).get("prompt_invariance") if isinstance(m.parity, dict) else None
+            gate = (f"; the same bits in any cache row and length (max |delta| {pi.get('max_abs_logit_delta', '?')})"
+                    if isinstance(pi, dict) and pi.get("equal") is True else "")
+            lines.append(f"  prefill  {pg.get('method')}, {pg.get('activations')}"
+                         + (f", attention {att}" if isinstance(att, str) and att != m.source.get("attention") else "")
+                         + f": {pg.get('runs')}{gate}")
         ci = (m.parity or {}).get("chunk_invariance") if isinstance(m.parity, dict) else None
         if role == "batch" and isinstance(ci, dict) and isinstance(ci.get("chunks"), list) and len(ci["chunks"]) == 2:
             small, big = ci["chunks"]

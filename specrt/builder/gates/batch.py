@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.builder.gates.chunks import chunk_invariance
-from specrt.errors import ParityError
+from specrt.builder.gates.chunks import chunk_invariance, prompt_invariance
+from specrt.errors import ConfigError, ParityError
 
 log = logging.getLogger(__name__)
 STEPS = 8          # decode steps compared per row
@@ -45,18 +45,21 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     from specrt.calibration import quantize
     from specrt.export import onnx_export
     shapes = cfg.shapes
-    rowwise = cfg.batch_prefill_graph == "rowwise"
+    rowwise = cfg.batch_prefill_graph in ("rowwise", "rowwise-gqa")
     attention = batch_attention(cfg, target_part)
+    prefill_att = prefill_attention(cfg, attention)
     draft = draft_spec(cfg, attention)
     draft_attention = draft_graph_attention(cfg, attention, target_part) if draft is not None else None
+    own = {**({"prefill": prefill_att} if prefill_att else {}), **({"draft": draft_attention} if draft_attention else {})}
     src = tmp / ("batch" if cfg.precision == "fp32" and not rowwise and draft is None else "_batch_fp32")
     part = onnx_export.export_model(tgt, shapes, src, attention=attention, batch="dynamic",
-                                    tokens={"step": "dynamic", **({"draft": 1} if draft_attention else {})},
-                                    hidden_layers=tuple(cfg.hidden_layers),
-                                    graph_attention={"draft": draft_attention} if draft_attention else None)
+                                    tokens={"step": "dynamic", **({"prefill": "dynamic"} if prefill_att else {}),
+                                            **({"draft": 1} if draft_attention else {})},
+                                    hidden_layers=tuple(cfg.hidden_layers), graph_attention=own or None)
     if cfg.precision != "fp32" or rowwise or draft is not None:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
-        # graph once more as "prefill", int8 per channel; with an int8 self-draft, once more as
+        # graph once more as "prefill", int8 per channel (rowwise-gqa: its own export, attending
+        # with GroupQueryAttention); with an int8 self-draft, once more as
         # "draft", quantized as the one-row draft: all in one weights file
         specs = {"step": quantize.QuantSpec(**cfg.batch_quantization) if cfg.precision != "fp32" else None,
                  **({"prefill": quantize.QuantSpec("rowwise")} if rowwise else {}),
@@ -74,7 +77,9 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
                                   "rows_per_call": "even (io row_multiple 2)" if part.get("row_multiple") else "any"}
     if rowwise:     # what `specrt inspect` shows of the second graph
         source["prefill_graph"] = {"runs": "prefill chunks (decode and verify steps run step)",
-                                   **quantize.QuantSpec("rowwise").describe()}
+                                   **quantize.QuantSpec("rowwise").describe(), "attention": prefill_att or attention,
+                                   **({"tokens": "one row a call (GroupQueryAttention); its cache is the step "
+                                                 "graph's"} if prefill_att else {})}
     if draft is not None:
         source["draft_graph"] = {"runs": "the int8 self-draft's steps inside a batch (shared cache: the verify "
                                          "pass overwrites what it writes)", **draft.describe(),
@@ -90,8 +95,17 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
                       "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts),
                       "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts)}
+    if prefill_att:     # a prompt graph of its own attention: gated before anything else reads it
+        part["parity"]["prompt_invariance"] = prompt_invariance(tmp, part, shapes, prompts)
     if draft is not None:
         part["parity"]["draft_agreement"] = draft_agreement(tmp, part, shapes, prompts)
+    pi = part["parity"].get("prompt_invariance")
+    if pi is not None and pi["equal"] is False:
+        raise ParityError(
+            f"the batched model's GroupQueryAttention prompt graph computes a prompt differently in another cache row "
+            f"or over a cache of another length (max |delta| logits {pi['max_abs_logit_delta']:.3g}, K/V "
+            f"{pi['max_abs_kv_delta']:.3g}): a request's tokens would depend on the requests beside it. Build with "
+            "--batch-prefill rowwise (the prompt graph attending as the step graph does)")
     inv = part["parity"]["batch_invariance"]
     if not inv["equal"]:
         cache = f"; reading the whole cache: {inv['kv_len']['max_abs_logit_delta']:.3g}" if "kv_len" in inv else ""
@@ -141,6 +155,25 @@ def batch_attention(cfg, target_part: dict) -> str:
         return cfg.batch_attention
     attention = target_part.get("attention", cfg.attention)
     return "rows" if attention == "gqa" else attention
+
+
+def prefill_attention(cfg, attention: str) -> str | None:
+    """The attention of the batched model's "prefill" graph where it differs from the step
+    graph's: "gqa" (GroupQueryAttention) for --batch-prefill rowwise-gqa beside a "rows" step
+    graph. A prompt chunk is one row a call (runtime/batch/engine.py), which GroupQueryAttention
+    runs fused; it writes the step graph's cache layout in place, reading each row's own length
+    (grow_cache). None: the prefill graph (if any) is the step graph, quantized (a "gqa" batch
+    already prefills with GroupQueryAttention). An "auto" choice stays rowwise where the batch
+    attends otherwise; an explicit one there is a ConfigError."""
+    if cfg.batch_prefill_graph != "rowwise-gqa" or attention == "gqa":
+        return None
+    if attention == "rows":
+        return "gqa"
+    if cfg.batch_prefill == "auto":
+        return None
+    raise ConfigError(f"--batch-prefill rowwise-gqa with a batched model attending with {attention!r}: its prompt "
+                      "graph shares the cache of a 'rows' step graph; build with --batch-attention rows, or give "
+                      "--batch-prefill rowwise")
 
 
 def draft_spec(cfg, attention: str):

@@ -8,13 +8,27 @@ prompt graph, AVX2 EPYC, 2026-12-07) a 930-token prompt took x0.94-0.95 of its t
 of 256 (docs/benchmarks.md). That is lossless only if the graph computes each position the same
 way whatever the chunk around it: per-row activation scales, attention per query row over the
 positions before it. This gate measures it: one prompt of LONE_CHUNKS x chunk + chunk + 3
-tokens fed in chunks of the folder's size, and again as one chunk of that size, one of
-LONE_CHUNKS times it (starting off its own multiple, as when the rows beside a prompt finish
-half-way through it) and an odd remainder (a model that pads odd calls pads it), and compares
-the last logits and every layer's K/V of the prompt's positions bit for bit. The runtime uses the larger chunk
-only when this says equal (runtime/backends/batch_calls.py lone_prefill_tokens); a graph that
-rounds otherwise (ONNX Runtime's GroupQueryAttention takes another path for several tokens)
-keeps the folder's chunk.
+tokens fed in chunks of the folder's size and a last one of 1 token then 2 (a prompt one token
+past a multiple of the chunk ends in a one-token call, which kernels may run another way), and
+again as one chunk of that size, one of LONE_CHUNKS times it (starting off its own multiple, as
+when the rows beside a prompt finish half-way through it) and an odd remainder of 3 (a model
+that pads odd calls pads it), and compares the last logits and every layer's K/V of the
+prompt's positions bit for bit. The runtime uses the larger chunk only when this says equal
+(runtime/backends/batch_calls.py lone_prefill_tokens); a graph that rounds otherwise keeps the
+folder's chunk. (The one-token call found one: ONNX Runtime's GroupQueryAttention runs one
+token a row through another path, ~4e-6 apart in a K/V, ~1.4 in a logit after SmolLM2 int4's
+int8 row scales; the runtime now runs a one-token prompt chunk through it as two tokens,
+runtime/backends/ort_batch.py, and the gate holds.)
+
+A prompt graph that attends otherwise than the step graph (--batch-prefill rowwise-gqa:
+GroupQueryAttention beside a "rows" step graph) reads each row's own length from past_len, not
+from the cache it is bound to, whose length the other rows set (a growing cache; a prompt
+chunk beside longer rows runs over a cache of its own, runtime/backends/ort_batch.py). A
+request's tokens would depend on its batch if its prompt's numbers depended on that length or
+on its cache row: `prompt_invariance` feeds one prompt into the only row of a one-row model,
+into the last row of a model whose first row holds a prompt near the maximum context, and into
+a middle row bound over the whole capacity, and compares the last logits and its K/V bit for
+bit. The build refuses a graph that fails (ParityError naming --batch-prefill rowwise).
 """
 from __future__ import annotations
 
@@ -47,7 +61,8 @@ def measure(root: Path, entry, shapes, prompts) -> dict:
     if not ids:
         return {**record, "equal": None, "why": "no calibration prompt"}
     ids = (ids * (n // len(ids) + 1))[:n]
-    small = [C] * (n // C) + ([n % C] if n % C else [])
+    rem = n % C                                        # 3 (for C > 3): a one-token call, then two
+    small = [C] * (n // C) + ([1, rem - 1] if rem >= 2 else [rem] if rem else [])
     mixed = [C, big, n - C - big]
     (la, kva), (lb, kvb) = _fed(root, entry, shapes, ids, small, big), _fed(root, entry, shapes, ids, mixed, big)
     logit_delta = float(np.max(np.abs(la - lb)))
@@ -79,3 +94,54 @@ def _fed(root: Path, entry, shapes, ids: list[int], sizes: list[int], call_token
         s += c
     kv = [a[0, :, :len(ids)].copy() for a in model.cache.keys + model.cache.values]
     return last, kv
+
+
+def prompt_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
+    """The gate at build time (module docstring): {"equal", "tokens", "rows", "lengths",
+    "max_abs_logit_delta", "max_abs_kv_delta"}; equal None (with "why") where the context is
+    too short for a prompt beside a longer one."""
+    from specrt.builder.manifest_writer import model_entry
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    entry = model_entry("batch", part, "batch")
+    C, M = shapes.prefill_chunk, shapes.max_context
+    ids = [int(t) for p in prompts for t in p]
+    n, far = min(2 * C + 5, M // 3), M - 2        # the prompt (several chunks, a short last one); the long row
+    if not ids or n < 2:
+        return {"equal": None, "why": "no calibration prompt" if not ids else f"max_context {M} is too short"}
+    ids = ids * (far // len(ids) + 1)
+    prompt, other = ids[:n], ids[n:n + far]
+    graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
+
+    def model(rows):
+        return OrtBatchModel(tmp, entry, shapes, rows=rows, threads=2, graphs=graphs)
+
+    alone, shared = model(1), model(3)
+    runs = [_feed(alone, 0, prompt, C)]
+    _feed(shared, 0, other, C)                                     # the cache grows to the long row's length
+    runs.append(_feed(shared, 2, prompt, C))                       # beside it: the chunk's own short cache
+    lengths = [alone.max_kv_len, shared.kv_len]
+    runs.append(_feed(shared, 1, prompt, C, kv_len=shapes.kv_capacity))   # bound over the whole capacity
+    lengths.append(shapes.kv_capacity)
+    logit_delta = max(float(np.max(np.abs(runs[0][0] - r[0]))) for r in runs[1:])
+    kv_delta = max(float(np.max(np.abs(a - b))) for r in runs[1:] for a, b in zip(runs[0][1], r[1]))
+    equal = all(np.array_equal(runs[0][0], r[0]) and all(np.array_equal(a, b) for a, b in zip(runs[0][1], r[1]))
+                for r in runs[1:])
+    log.info("prompt graph: a %d-token prompt in rows 0, 2 and 1 over caches of %s positions: %s (max |delta| "
+             "logits %.3g, K/V %.3g)", n, lengths, "the same bits" if equal else "other numbers", logit_delta, kv_delta)
+    return {"equal": equal, "tokens": n, "rows": [0, 2, 1], "lengths": lengths,
+            "max_abs_logit_delta": logit_delta, "max_abs_kv_delta": kv_delta}
+
+
+def _feed(model, row: int, ids: list[int], C: int, kv_len: int | None = None):
+    """`ids` into cache row `row` in chunks of C (the last one short, unpadded), as the engine
+    feeds a prompt; its last logits and its positions' K/V per layer."""
+    P = max(model.min_rows, 1)
+    last = None
+    for s in range(0, len(ids), C):
+        piece = ids[s:s + C]
+        T = max(len(piece), P)
+        toks = np.zeros((1, T), np.int64)
+        toks[0, :len(piece)] = piece
+        pos = (np.arange(P, dtype=np.int64) + max(len(piece) - P, 0))[None, :]
+        last = model.step("prefill", toks, np.array([s], np.int64), row, pos, pad_start=0, kv_len=kv_len)[0, -1].copy()
+    return last, [a[row, :, :len(ids)].copy() for a in model.cache.keys + model.cache.values]

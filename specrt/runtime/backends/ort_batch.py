@@ -12,7 +12,9 @@ dimension (export/batch.py; manifest graph `batch: "dynamic"`), and a symbolic o
 
 A model built with `--batch-prefill rowwise` has a second graph, "prefill" (the same graph with
 int8 per-channel weights, MatMulIntegerToFloat), in its own session: prompt chunks run there,
-decode and verify steps in "step"; both write the same cache.
+decode and verify steps in "step"; both write the same cache. With `--batch-prefill rowwise-gqa`
+(the int4 default) "prefill" attends with GroupQueryAttention over the "rows" step graph's
+growing cache, one row a call.
 
 Graph entries that name one file (a dynamic-T graph serving prefill, decode and verify) share
 one session: one pre-packed copy of the weights (ONNX Runtime's Python API cannot share
@@ -138,8 +140,12 @@ class OrtBatchModel:
         if self.grows:
             self.cache.subscribe(self._cache_reallocated)
         # GroupQueryAttention on the CPU runs several tokens per row only for a single row (ONNX
-        # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it
-        self.multi_token_rows = 1 if self._attention(root, entry, names) == "gqa" else None
+        # Runtime refuses B > 1 with T > 1 over a filled cache): the engine must not ask for it of
+        # the graph that serves its steps (a "prefill" graph of its own, --batch-prefill
+        # rowwise-gqa, runs one row a call anyway: the limit is checked per graph file)
+        self._token_rows = {f: 1 if self._attention(root, entry, (g,)) == "gqa" else None
+                            for g, f in self._file_of.items() if g in names}
+        self.multi_token_rows = self._token_rows[self._file_of[serves if serves in names else names[0]]]
         t_max = max(max(shapes.prefill_chunk, shapes.k + 1), 2) + spare
         if call_tokens is None:
             call_tokens = lone_prefill_tokens(entry, shapes) if serves != "draft" else 0
@@ -183,7 +189,17 @@ class OrtBatchModel:
         row first_row+n, whose T tokens are written from pad_start on: the length of the row
         there (runtime/batch/model.py); may be left out when that row is the spare row."""
         n, T = tokens.shape
-        check_multi_token_rows(self.multi_token_rows, n, T)
+        check_multi_token_rows(self._token_rows[self._file_of[graph]], n, T)
+        if T == 1 and n == 1 and graph == "prefill" and self._token_rows[self._file_of[graph]] == 1:
+            # a one-token prompt chunk (a prompt one past a multiple of the chunk) through
+            # GroupQueryAttention: its one-token path rounds apart from the several-token path the
+            # prompt's other positions take (~4e-6 in a K/V, amplified by int8 row scales to ~1.4
+            # in a logit on SmolLM2 int4), so the chunk runs as two tokens, the second written one
+            # past the row's length, where nothing reads it (the row's next call overwrites it)
+            tokens = np.concatenate([tokens, np.zeros_like(tokens)], axis=1)
+            if positions is None or not self.has_positions[self._file_of[graph]]:
+                return self.step(graph, tokens, starts, first_row, None, kv_len, pad_start)[:, :1]
+            n, T = tokens.shape
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
         assert first_row + n <= self.rows, (first_row, n, self.rows)
         static = self.graph_tokens[graph]

@@ -19,9 +19,12 @@ PROMPTS = ["hello there", "a b c d e f g h i j k l m n o p q r s t u v w x y z a
 NEW = 20
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_batch_engines):
-    return tiny_batch_engines           # int4 --batch: rowwise prefill by default
+@pytest.fixture(scope="module", params=["gqa step", "rows step, gqa prompt"])
+def engines(request):
+    # int4 --batch: a rowwise prompt graph by default; beside a GroupQueryAttention step graph
+    # (--batch-attention gqa) and beside a "rows" one (the default), where it attends with
+    # GroupQueryAttention over the rows graph's cache (rowwise-gqa, test_prefill_gqa.py)
+    return request.getfixturevalue("tiny_batch_engines" if request.param == "gqa step" else "tiny_batch_int4_engines")
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,8 @@ def _ops(path) -> set[str]:
 
 def test_the_build_records_two_graphs_one_weights_file_and_invariance(engines):
     b = json.loads((engines / "manifest.json").read_text())["models"]["batch"]
-    assert set(b["graphs"]) == {"step", "prefill"}
-    assert all(g["batch"] == "dynamic" and g["dynamic_tokens"] for g in b["graphs"].values())
+    assert set(b["graphs"]) - {"draft"} == {"step", "prefill"}
+    assert all(b["graphs"][g]["batch"] == "dynamic" and b["graphs"][g]["dynamic_tokens"] for g in ("step", "prefill"))
     assert b["weights"]["file"] == "batch/weights.bin"
     assert "MatMulNBits" in _ops(engines / "batch/step.onnx")
     assert "MatMulIntegerToFloat" in _ops(engines / "batch/prefill.onnx")
@@ -62,8 +65,11 @@ def test_prompt_chunks_run_the_prefill_graph_and_decode_steps_the_step_graph(gen
     m = gen.engine.target
     assert m._file_of["prefill"].endswith("prefill.onnx") and m._file_of["decode"].endswith("step.onnx")
     used = {(k[0].rsplit("/", 1)[-1], k[3] > 1) for k in m._bindings}      # (file, several tokens a row)
-    assert ("prefill.onnx", True) in used and ("step.onnx", False) in used
-    assert ("step.onnx", True) not in used and ("prefill.onnx", False) not in used
+    assert ("prefill.onnx", True) in used and ("prefill.onnx", False) not in used
+    if m.multi_token_rows is not None:      # a GroupQueryAttention step graph: one-token steps only
+        assert used - {("prefill.onnx", True)} == {("step.onnx", False)}
+    else:                                   # a rows step graph: plain steps or verify windows
+        assert {f for f, _ in used} == {"prefill.onnx", "step.onnx"}
 
 
 def test_greedy_and_seeded_rows_equal_the_request_alone(gen):
@@ -111,7 +117,10 @@ def test_auto_is_rowwise_for_int4_only_and_same_keeps_one_graph(tiny_batch_same_
     graph = {(prec, batch, choice): BuildConfig(target="t", out="o", precision=prec, batch=batch,
                                                 batch_prefill=choice).batch_prefill_graph
              for prec in ("fp32", "int8", "int4") for batch in (False, True) for choice in ("auto", "same")}
-    assert {k for k, v in graph.items() if v == "rowwise"} == {("int4", True, "auto")}
+    assert {k for k, v in graph.items() if v != "same"} == {("int4", True, "auto")}
+    assert graph["int4", True, "auto"] == "rowwise-gqa"
+    assert BuildConfig(target="t", out="o", precision="int4", batch=True,
+                       hidden_layers=(0,)).batch_prefill_graph == "rowwise"     # the gqa prompt graph has none
     assert BuildConfig(target="t", out="o", precision="fp32", batch=True,
                        batch_prefill="rowwise").batch_prefill_graph == "rowwise"
     b = json.loads((tiny_batch_same_engines / "manifest.json").read_text())["models"]["batch"]

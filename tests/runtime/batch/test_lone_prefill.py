@@ -101,7 +101,8 @@ def test_the_gate_decides_and_the_runtime_follows(monkeypatch, tiny_batch_rows_e
     monkeypatch.setattr(chunks, "_fed", fed)
     got = chunks.measure(None, entry, shapes, [[5, 6, 7]])
     C = shapes.prefill_chunk
-    assert seen[0] == [C] * 5 + [3] and seen[1] == [C, 4 * C, 3]     # an odd tail; the large one off its multiple
+    # a one-token call then two (a kernel's one-token path); the large one off its own multiple, an odd tail
+    assert seen[0] == [C] * 5 + [1, 2] and seen[1] == [C, 4 * C, 3]
     assert got["equal"] is False and got["max_abs_logit_delta"] == pytest.approx(1e-6)
     unequal = entry.__class__(**{**entry.__dict__, "parity": {**entry.parity, "chunk_invariance": got}})
     assert lone_prefill_tokens(unequal, shapes) == C
