@@ -197,6 +197,12 @@ class BuildConfig:
                                        for i in self.hidden_layers)
                                    or list(self.hidden_layers) != sorted(set(self.hidden_layers))):
             raise ConfigError(f"hidden_layers={self.hidden_layers!r}: give increasing layer indices, e.g. 2,15,27")
+        target_attention = self.attention or "gqa"      # ort-cpu's (the only backend --batch builds for)
+        if self.batch_prefill == "rowwise-gqa" and (self.batch_attention or (
+                "rows" if target_attention == "gqa" else target_attention)) not in ("rows", "gqa"):
+            raise ConfigError(f"--batch-prefill rowwise-gqa with --attention {target_attention}: its prompt graph "
+                              "shares the cache of a 'rows' step graph; add --batch-attention rows, or give "
+                              "--batch-prefill rowwise")
         if self.batch_prefill == "rowwise-gqa" and self.hidden_layers:
             raise ConfigError("--batch-prefill rowwise-gqa with --hidden-layers: the GroupQueryAttention prompt graph "
                               "returns no hidden states, which a trained head reads after every prompt: give "

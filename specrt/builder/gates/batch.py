@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.builder.gates.chunks import chunk_invariance, prompt_invariance
+from specrt.builder.gates.chunks import chunk_invariance, fp32_agreement, prompt_invariance, refuse_prompt_graph
 from specrt.errors import ConfigError, ParityError
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
                                     tokens={"step": "dynamic", **({"prefill": "dynamic"} if prefill_att else {}),
                                             **({"draft": 1} if draft_attention else {})},
                                     hidden_layers=tuple(cfg.hidden_layers), graph_attention=own or None)
+    agreement_fp32 = fp32_agreement(src, part, target_part, cache_length(attention, shapes), shapes, prompts) \
+        if prefill_att else None
     if cfg.precision != "fp32" or rowwise or draft is not None:
         # "step" quantized as the target (fp32: as exported); with rowwise prefill, the same fp32
         # graph once more as "prefill", int8 per channel (rowwise-gqa: its own export, attending
@@ -97,15 +99,10 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
                       "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts)}
     if prefill_att:     # a prompt graph of its own attention: gated before anything else reads it
         part["parity"]["prompt_invariance"] = prompt_invariance(tmp, part, shapes, prompts)
+        part["parity"]["prompt_agreement_fp32"] = agreement_fp32
     if draft is not None:
         part["parity"]["draft_agreement"] = draft_agreement(tmp, part, shapes, prompts)
-    pi = part["parity"].get("prompt_invariance")
-    if pi is not None and pi["equal"] is False:
-        raise ParityError(
-            f"the batched model's GroupQueryAttention prompt graph computes a prompt differently in another cache row "
-            f"or over a cache of another length (max |delta| logits {pi['max_abs_logit_delta']:.3g}, K/V "
-            f"{pi['max_abs_kv_delta']:.3g}): a request's tokens would depend on the requests beside it. Build with "
-            "--batch-prefill rowwise (the prompt graph attending as the step graph does)")
+    refuse_prompt_graph(part["parity"])
     inv = part["parity"]["batch_invariance"]
     if not inv["equal"]:
         cache = f"; reading the whole cache: {inv['kv_len']['max_abs_logit_delta']:.3g}" if "kv_len" in inv else ""

@@ -29,6 +29,10 @@ on its cache row: `prompt_invariance` feeds one prompt into the only row of a on
 into the last row of a model whose first row holds a prompt near the maximum context, and into
 a middle row bound over the whole capacity, and compares the last logits and its K/V bit for
 bit. The build refuses a graph that fails (ParityError naming --batch-prefill rowwise).
+Before quantization, `prompt_agreement` checks that such a graph computes what the step graph
+computes: one prompt through each fp32 graph, the last logits and every K/V within fp32
+rounding of each other (another kernel, the same arithmetic: a rotary or window convention
+apart would be O(1) off, and decode steps read what the prompt graph wrote).
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ import logging
 from pathlib import Path
 
 import numpy as np
+
+from specrt.errors import ParityError
 
 log = logging.getLogger(__name__)
 LONE_CHUNKS = 4        # the larger chunk: this many of the folder's
@@ -130,6 +136,55 @@ def prompt_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
              "logits %.3g, K/V %.3g)", n, lengths, "the same bits" if equal else "other numbers", logit_delta, kv_delta)
     return {"equal": equal, "tokens": n, "rows": [0, 2, 1], "lengths": lengths,
             "max_abs_logit_delta": logit_delta, "max_abs_kv_delta": kv_delta}
+
+
+AGREE_LOGIT, AGREE_KV = 1e-2, 1e-4      # fp32 graphs: max |delta logit|, max relative K/V error (norms)
+
+
+def prompt_agreement(root: Path, entry, shapes, prompts) -> dict:
+    """The fp32 prompt graph of its own attention against the fp32 step graph (`entry`: the
+    unquantized export, files relative to `root`): {"agrees", "tokens", "max_abs_logit_delta",
+    "max_rel_kv_delta"}."""
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    ids = [int(t) for p in prompts for t in p]
+    n = min(2 * shapes.prefill_chunk + 5, shapes.max_context // 3)
+    if not ids or n < 2:
+        return {"agrees": None, "why": "no calibration prompt" if not ids else "max_context is too short"}
+    ids = (ids * (n // len(ids) + 1))[:n]
+    (la, kva), (lb, kvb) = (_feed(OrtBatchModel(root, entry, shapes, rows=1, threads=2, graphs=g), 0, ids,
+                                  shapes.prefill_chunk) for g in (("step", "prefill"), ("step",)))
+    logit = float(np.max(np.abs(la - lb)))
+    kv = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)) for a, b in zip(kva, kvb))
+    agrees = logit <= AGREE_LOGIT and kv <= AGREE_KV
+    log.info("prompt graph against the step graph (fp32, %d tokens): max |delta logit| %.3g, K/V %.3g relative: %s",
+             n, logit, kv, "agree" if agrees else "DISAGREE")
+    return {"agrees": agrees, "tokens": n, "max_abs_logit_delta": logit, "max_rel_kv_delta": kv}
+
+
+def fp32_agreement(src: Path, part: dict, target_part: dict, cache_length: dict, shapes, prompts) -> dict:
+    """prompt_agreement over the batched model's fp32 export in `src` (its part before
+    quantization; cache_length: gates/batch.cache_length of the step graph's attention)."""
+    from specrt.builder.manifest_writer import model_entry
+    fp32 = {**part, "family": target_part["family"], "precision": "fp32", "source": {},
+            "kv": {**target_part["kv"], "dtype": part["kv_dtype"], "update": part["kv_update"], **cache_length}}
+    return prompt_agreement(src.parent, model_entry("batch", fp32, src.name), shapes, prompts)
+
+
+def refuse_prompt_graph(parity: dict) -> None:
+    """A ParityError naming --batch-prefill rowwise where a prompt graph of its own attention
+    failed prompt_agreement_fp32 or prompt_invariance."""
+    pa, pi = parity.get("prompt_agreement_fp32"), parity.get("prompt_invariance")
+    fix = "Build with --batch-prefill rowwise (the prompt graph attending as the step graph does)"
+    if pa is not None and pa["agrees"] is False:
+        raise ParityError(
+            f"the batched model's GroupQueryAttention prompt graph does not compute what its step graph computes (fp32: "
+            f"max |delta logit| {pa['max_abs_logit_delta']:.3g}, K/V {pa['max_rel_kv_delta']:.3g} relative): decode "
+            f"steps would read a cache written another way. {fix}")
+    if pi is not None and pi["equal"] is False:
+        raise ParityError(
+            f"the batched model's GroupQueryAttention prompt graph computes a prompt differently in another cache row "
+            f"or over a cache of another length (max |delta| logits {pi['max_abs_logit_delta']:.3g}, K/V "
+            f"{pi['max_abs_kv_delta']:.3g}): a request's tokens would depend on the requests beside it. {fix}")
 
 
 def _feed(model, row: int, ids: list[int], C: int, kv_len: int | None = None):

@@ -111,6 +111,35 @@ def test_a_prompt_graph_that_depends_on_its_row_is_refused_naming_the_flag(tiny_
     assert not (tmp_path / "bad" / "manifest.json").exists()
 
 
+def test_a_prompt_graph_computing_otherwise_than_the_step_graph_is_refused(tiny_pair, tmp_path, monkeypatch):
+    """The fp32 check before quantization: the GroupQueryAttention prompt graph against the rows
+    step graph, same prompt. Recorded on a good build (fp32 rounding apart); a prompt graph
+    whose K/V were written another way (here: its logits and cache moved by 1e-2, as a rotary
+    convention apart would move them far more) stops the build, naming the flag."""
+    from conftest import build_tiny
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    real = OrtBatchModel.step
+
+    def step(self, graph, tokens, starts, first_row=0, *a, **k):
+        out = real(self, graph, tokens, starts, first_row, *a, **k)
+        if graph == "prefill" and self._file_of["prefill"].endswith("prefill.onnx") and self.entry.precision == "fp32":
+            for kv in self.cache.keys:
+                kv[first_row] *= 1.01
+            return out + 1e-2
+        return out
+    monkeypatch.setattr(OrtBatchModel, "step", step)
+    with pytest.raises(ParityError, match="does not compute what its step graph computes.*--batch-prefill rowwise"):
+        build_tiny(tmp_path / "bad", tiny_pair[0], "none", precision="int4", block_size=16, batch=True,
+                   ngram_tokens=0)
+
+
+def test_the_good_build_records_the_fp32_agreement(tiny_batch_int4_engines):
+    pa = json.loads((tiny_batch_int4_engines / "manifest.json").read_text())["models"]["batch"]["parity"][
+        "prompt_agreement_fp32"]
+    assert pa["agrees"] is True and 0 < pa["tokens"]
+    assert pa["max_abs_logit_delta"] < 1e-3 and pa["max_rel_kv_delta"] < 1e-5
+
+
 def test_the_choice_and_its_limits(tmp_path):
     from specrt.builder.config import BuildConfig
     from specrt.builder.gates.batch import prefill_attention
@@ -125,6 +154,11 @@ def test_the_choice_and_its_limits(tmp_path):
     with pytest.raises(ConfigError, match="--batch-prefill rowwise"):
         BuildConfig(target="t", out="o", precision="int4", batch=True, batch_prefill="rowwise-gqa",
                     hidden_layers=(0,))
+    with pytest.raises(ConfigError, match="--batch-attention rows"):      # refused before the long build
+        BuildConfig(target="t", out="o", precision="int4", batch=True, batch_prefill="rowwise-gqa",
+                    attention="standard")
+    assert BuildConfig(target="t", out="o", precision="int4", batch=True, batch_prefill="rowwise-gqa",
+                       attention="standard", batch_attention="rows").batch_prefill_graph == "rowwise-gqa"
 
 
 def test_inspect_names_the_prompt_graphs_attention(tiny_batch_int4_engines, tiny_batch_int4_rowwise_engines):
