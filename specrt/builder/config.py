@@ -198,7 +198,7 @@ class BuildConfig:
                                    or list(self.hidden_layers) != sorted(set(self.hidden_layers))):
             raise ConfigError(f"hidden_layers={self.hidden_layers!r}: give increasing layer indices, e.g. 2,15,27")
         target_attention = self.attention or "gqa"      # ort-cpu's (the only backend --batch builds for)
-        if self.batch_prefill == "rowwise-gqa" and (self.batch_attention or (
+        if self.batch and self.batch_prefill == "rowwise-gqa" and (self.batch_attention or (
                 "rows" if target_attention == "gqa" else target_attention)) not in ("rows", "gqa"):
             raise ConfigError(f"--batch-prefill rowwise-gqa with --attention {target_attention}: its prompt graph "
                               "shares the cache of a 'rows' step graph; add --batch-attention rows, or give "
