@@ -162,9 +162,9 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         bar.set_postfix_str("timing the graphs")
         build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
         if cfg.batch:     # what each batched step costs per rows x T: speculation chosen per step
-            from specrt.builder.gates import batch
-            build_info["speculation"]["batch_costs_ms"] = batch.costs(tmp, parts["batch"], shapes,
-                                                                      draft_part=parts.get("batch_draft"))
+            from specrt.builder.gates import batch_costs
+            build_info["speculation"]["batch_costs_ms"] = batch_costs.costs(tmp, parts["batch"], shapes,
+                                                                            draft_part=parts.get("batch_draft"))
     man = manifest_writer.assemble_manifest(shapes, parts, tok_info, build_info, proposers=proposers)
     if cfg.measure_costs:     # the kernel families at the shapes the runtime runs (builder/gates/kernels.py)
         from specrt.builder.gates import kernels

@@ -44,7 +44,7 @@ def _part(entry: mf.ModelEntry) -> tuple[str, dict]:
 def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     """Measure the folder's step costs again and write them into its manifest; returns the new
     `build.speculation`."""
-    from specrt.builder.gates import batch, plan
+    from specrt.builder.gates import batch_costs, plan
     root = Path(engines)
     man = mf.load(root)
     if man.device.get("kind") != "cpu" or man.engines is not None:
@@ -67,7 +67,7 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     spec = plan.plan(costs, acceptance, man.shapes.k)
     if man.batch is not None:
         out("retime: timing the batched model (rows x tokens per step)")
-        spec["batch_costs_ms"] = batch.entry_costs(root, man.batch, man.shapes, draft_entry=man.batch_draft)
+        spec["batch_costs_ms"] = batch_costs.entry_costs(root, man.batch, man.shapes, draft_entry=man.batch_draft)
     spec["retimed"] = {"by": f"specrt {__version__} retime",
                        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "previous": previous}

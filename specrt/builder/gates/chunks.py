@@ -82,24 +82,12 @@ def measure(root: Path, entry, shapes, prompts) -> dict:
 
 def _fed(root: Path, entry, shapes, ids: list[int], sizes: list[int], call_tokens: int):
     """The prompt's last logits and its positions' K/V per layer, fed in chunks of `sizes` into
-    row 0 of a fresh one-row model, as the engine feeds a prompt (runtime/batch/engine.py
-    _prefill_chunk: the chunk unpadded, logits of its last min_rows positions)."""
+    row 0 of a fresh one-row model (_feed)."""
     from specrt.runtime.backends.ort_batch import OrtBatchModel
     graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
-    model = OrtBatchModel(root, entry, shapes, rows=1, threads=2, graphs=graphs, call_tokens=call_tokens)
-    P = max(model.min_rows, 1)
-    last, s = None, 0
     assert sum(sizes) == len(ids) and all(c >= 1 for c in sizes), sizes
-    for c in sizes:
-        piece = ids[s:s + c]
-        T = max(len(piece), P)
-        toks = np.zeros((1, T), np.int64)
-        toks[0, :len(piece)] = piece
-        pos = (np.arange(P, dtype=np.int64) + max(len(piece) - P, 0))[None, :]
-        last = model.step("prefill", toks, np.array([s], np.int64), 0, pos, pad_start=0)[0, -1].copy()
-        s += c
-    kv = [a[0, :, :len(ids)].copy() for a in model.cache.keys + model.cache.values]
-    return last, kv
+    return _feed(OrtBatchModel(root, entry, shapes, rows=1, threads=2, graphs=graphs, call_tokens=call_tokens),
+                 0, ids, sizes)
 
 
 def prompt_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
@@ -187,16 +175,19 @@ def refuse_prompt_graph(parity: dict) -> None:
             f"{pi['max_abs_kv_delta']:.3g}): a request's tokens would depend on the requests beside it. {fix}")
 
 
-def _feed(model, row: int, ids: list[int], C: int, kv_len: int | None = None):
-    """`ids` into cache row `row` in chunks of C (the last one short, unpadded), as the engine
-    feeds a prompt; its last logits and its positions' K/V per layer."""
+def _feed(model, row: int, ids: list[int], chunks: int | list[int], kv_len: int | None = None):
+    """`ids` into cache row `row` in chunks of `chunks` tokens (or of the sizes it lists), as the
+    engine feeds a prompt (runtime/batch/engine.py _prefill_chunk: each chunk unpadded, logits
+    of its last min_rows positions); its last logits and its positions' K/V per layer."""
     P = max(model.min_rows, 1)
-    last = None
-    for s in range(0, len(ids), C):
-        piece = ids[s:s + C]
+    sizes = chunks if isinstance(chunks, list) else [min(chunks, len(ids) - s) for s in range(0, len(ids), chunks)]
+    last, s = None, 0
+    for c in sizes:
+        piece = ids[s:s + c]
         T = max(len(piece), P)
         toks = np.zeros((1, T), np.int64)
         toks[0, :len(piece)] = piece
         pos = (np.arange(P, dtype=np.int64) + max(len(piece) - P, 0))[None, :]
         last = model.step("prefill", toks, np.array([s], np.int64), row, pos, pad_start=0, kv_len=kv_len)[0, -1].copy()
+        s += c
     return last, [a[row, :, :len(ids)].copy() for a in model.cache.keys + model.cache.values]

@@ -189,22 +189,22 @@ class OrtBatchModel:
         row first_row+n, whose T tokens are written from pad_start on: the length of the row
         there (runtime/batch/model.py); may be left out when that row is the spare row."""
         n, T = tokens.shape
-        check_multi_token_rows(self._token_rows[self._file_of[graph]], n, T)
-        if T == 1 and n == 1 and graph == "prefill" and self._token_rows[self._file_of[graph]] == 1:
+        file = self._file_of[graph]
+        check_multi_token_rows(self._token_rows[file], n, T)
+        if T == 1 and n == 1 and graph == "prefill" and self._token_rows[file] == 1:
             # a one-token prompt chunk (a prompt one past a multiple of the chunk) through
             # GroupQueryAttention: its one-token path rounds apart from the several-token path the
             # prompt's other positions take (~4e-6 in a K/V, amplified by int8 row scales to ~1.4
             # in a logit on SmolLM2 int4), so the chunk runs as two tokens, the second written one
             # past the row's length, where nothing reads it (the row's next call overwrites it)
             tokens = np.concatenate([tokens, np.zeros_like(tokens)], axis=1)
-            if positions is None or not self.has_positions[self._file_of[graph]]:
+            if positions is None or not self.has_positions[file]:
                 return self.step(graph, tokens, starts, first_row, None, kv_len, pad_start)[:, :1]
             n, T = tokens.shape
         assert n * T >= self.min_rows, (graph, n, T, self.min_rows)
         assert first_row + n <= self.rows, (first_row, n, self.rows)
         static = self.graph_tokens[graph]
         assert not static or T == static, (graph, T, static)
-        file = self._file_of[graph]
         gathered = positions is not None and self.has_positions[file]
         P = positions.shape[1] if gathered else T
         assert not gathered or n * P >= self.min_rows, (graph, n, P, self.min_rows)
