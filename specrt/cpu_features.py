@@ -32,6 +32,25 @@ def _read_cpuinfo() -> str | None:
         return None
 
 
+# the instruction-set flags ONNX Runtime's CPU kernels (MLAS: platform.cpp) choose their code
+# paths by, as /proc/cpuinfo names them (x86 "flags", ARM "Features"): two CPUs that list the
+# same of these run the same kernels, hence the same rounding, on the same onnxruntime
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_vnni_int8", "amx_tile", "amx_int8", "amx_bf16",
+             "amx_fp16", "asimd", "asimdhp", "asimddp", "fphp", "i8mm", "bf16", "sve", "sve2")
+
+
+def kernel_isa() -> str | None:
+    """This CPU's architecture and the ISA_FLAGS it has, e.g. "x86_64: avx avx2 fma f16c"
+    (ISA_FLAGS order); None where /proc/cpuinfo cannot be read (macOS, Windows)."""
+    text = _read_cpuinfo()
+    line = next((ln for ln in (text or "").splitlines() if ln.startswith(("flags", "Features"))), None)
+    if line is None or ":" not in line:
+        return None
+    have = set(line.split(":", 1)[1].split())
+    return f"{_machine()}: " + " ".join(f for f in ISA_FLAGS if f in have)
+
+
 def int8_kernels() -> str:
     """This CPU's int8 kernel path, one of KERNELS."""
     if _machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):

@@ -30,6 +30,11 @@ class Int8KernelsError(ManifestError):
     the build's exactness gates do not hold here; rebuild the engines on this machine."""
 
 
+class GatesNotMeasuredError(ManifestError):
+    """A CPU folder whose exactness gates were measured on other kernels (another instruction
+    set or onnxruntime version) than this machine runs: `specrt retime` measures them here."""
+
+
 class GraphFileError(ManifestError):
     """A graph or weight file named by the manifest is missing or corrupt."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specrt import __version__
 from specrt.cpu_features import int8_kernels
-from specrt.errors import Int8KernelsError, ManifestError
+from specrt.errors import GatesNotMeasuredError, Int8KernelsError, ManifestError
 # the files a manifest names (confinement to the folder, existence, hashes): re-exported here
 from specrt.manifest_files import VERIFY_MODES, HashCheck, artifact_files, check_files, confine, sha256_file  # noqa: F401
 
@@ -455,6 +455,39 @@ def check_device(man: Manifest, backend: str = "onnxruntime") -> None:
                 f"engines were built for {key}={built.get(key)!r}; this machine has {key}={here[key]!r}: "
                 "rebuild the engines on this machine")
     check_int8_kernels(man, here["int8_kernels"])
+
+
+def gated_kernels(man: Manifest) -> list[str] | None:
+    """The kernels (runtime/backends/ort_cpu.py kernel_fingerprint) a CPU folder's exactness
+    gates hold on: its build's and every `specrt retime` that measured them again; None for
+    folders built before specrt recorded them."""
+    gated = man.device.get("gated_on")
+    if gated is None:
+        return None
+    if not isinstance(gated, list) or not all(isinstance(g, dict) and isinstance(g.get("kernels"), str) for g in gated):
+        raise ManifestError(f"device.gated_on={str(gated)[:200]!r} is not a list of {{\"kernels\": ...}} records: the "
+                            "manifest was edited; run `specrt retime` on the folder to measure its gates again, or rebuild")
+    return [g["kernels"] for g in gated]
+
+
+def check_gated(man: Manifest, here: str | None) -> None:
+    """Refuse a CPU folder whose exactness gates were not measured on this machine's kernels
+    (`here`: onnxruntime version and instruction set; None where /proc/cpuinfo cannot be read).
+    Every guarantee of a folder is a property of the kernels that compute it: the decode and
+    verify graphs' rows equal bit for bit, a batched row the same whatever the rows beside it,
+    a prompt the same in any chunk or cache row. ONNX Runtime picks its kernels by instruction
+    set (AVX2, AVX-512, VNNI, AMX) and changes them between versions, and another kernel may
+    sum in another order. Folders built before the record, and machines whose flags cannot be
+    read, have nothing to compare."""
+    where = gated_kernels(man)
+    if where is None or here is None or here in where:
+        return
+    raise GatesNotMeasuredError(
+        f"this folder's exactness gates (greedy speculative output = plain decoding; a batched request's tokens "
+        f"independent of its batch and of its prompt's chunks) were measured on [{'; '.join(map(str, where))}], "
+        f"and this machine runs [{here}]: ONNX Runtime picks its CPU kernels by instruction set and version, and "
+        "another kernel may round otherwise. Run `specrt retime ENGINES` on this machine (ENGINES: this folder; "
+        "it measures the gates here and records them when they hold), or rebuild the engines here")
 
 
 _KERNEL_NAMES = {"dot": "VNNI/AMX dot products", "avx2": "AVX2 without VNNI/AMX", "other": "not x86"}

@@ -40,13 +40,29 @@ def model_entry(role: str, part: dict, subdir: str) -> mf.ModelEntry:
                          parity=part.get("parity", {}))
 
 
+def as_entry(role: str, part, subdir: str) -> mf.ModelEntry:
+    """A gate's model: a build's part dict (model_entry), or a built folder's entry as it is
+    (`specrt retime` runs the gates again over a folder, builder/gates/here.py)."""
+    return part if isinstance(part, mf.ModelEntry) else model_entry(role, part, subdir)
+
+
+def cpu_device(by: str = "specrt build") -> dict:
+    """The device field of a CPU build: mf.this_device() and `gated_on`, the kernels (onnxruntime
+    version and instruction set) its exactness gates were measured on (runtime/backends/ort_cpu.py
+    kernel_fingerprint; the runtime refuses the folder on other kernels until `specrt retime`
+    measures them there)."""
+    from specrt.runtime.backends.ort_cpu import gate_record
+    rec = gate_record(by)
+    return {**mf.this_device(), **({"gated_on": [rec]} if rec else {})}
+
+
 def assemble_manifest(shapes: mf.Shapes, parts: dict[str, dict], tokenizer: dict, build: dict,
                       device: dict | None = None, proposers: dict | None = None) -> mf.Manifest:
     """parts: role -> {"subdir", graphs, weights, dims, family, precision, source, kv, parity}.
     device: the build's target device (default: this CPU). proposers: files shipped for the
     runtime's proposals (e.g. {"ngrams": {...}}, builder/gates/ngrams.py)."""
     models = {role: model_entry(role, p, p["subdir"]) for role, p in parts.items()}
-    return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or mf.this_device(),
+    return mf.Manifest(shapes=shapes, models=models, tokenizer=tokenizer, device=device or cpu_device(),
                        tools=tool_versions(), build=build, proposers=proposers or None)
 
 

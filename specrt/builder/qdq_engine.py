@@ -122,7 +122,7 @@ def make_qdq(engines: str | Path, out: str | Path, spec: QDQSpec = QDQSpec(), *,
             costs = plan.step_costs(qdir, part, tmp / d["subdir"], d, shapes)
             build["speculation"] = plan.plan(costs, d["parity"]["agreement_with_target"]["top1_agreement"], shapes.k)
         build["seconds"] = round(time.time() - t0, 1)
-        result = manifest_writer.write_manifest(tmp, shapes, parts, tok, build, device=mf.this_device())
+        result = manifest_writer.write_manifest(tmp, shapes, parts, tok, build, device=manifest_writer.cpu_device())
         outdir.commit(tmp, path)
     finally:
         outdir.discard(tmp)        # a failed run leaves nothing behind; `out` is untouched

@@ -9,7 +9,7 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-_DEVICE_KEYS = ("backend", "kind", "machine", "os", "int8_kernels")
+_DEVICE_KEYS = ("backend", "kind", "machine", "os", "int8_kernels", "gated_on")
 
 
 def _device(dev: dict) -> str:
@@ -18,6 +18,19 @@ def _device(dev: dict) -> str:
     if "int8_kernels" in dev:
         facts += f"; int8 kernels {dev['int8_kernels']} (this CPU: {int8_kernels()})"
     return f"{dev.get('backend')} on {dev.get('kind')} ({dev.get('machine')}, {dev.get('os')}){facts}"
+
+
+def _gated(man: mf.Manifest) -> list[str]:
+    """Where the folder's exactness gates were measured (manifest.check_gated refuses other kernels)."""
+    where = mf.gated_kernels(man)
+    if where is None or man.device.get("kind") != "cpu":
+        return []
+    from specrt.runtime.backends.ort_cpu import kernel_fingerprint
+    here = kernel_fingerprint()
+    by = [f"{g.get('kernels')} ({g.get('by')}, {g.get('at')})" for g in man.device["gated_on"] if isinstance(g, dict)]
+    verdict = ("this machine's: it serves here" if here in where else
+               f"not this machine's ({here}): refused here until `specrt retime` measures them")
+    return [f"gated      exactness gates held on: {'; '.join(by)}; {verdict}"]
 
 
 def _engines(e: dict) -> list[str]:
@@ -151,6 +164,7 @@ def describe(man: mf.Manifest) -> str:
     lines = [
         f"specrt manifest (schema {man.schema_version}, built by specrt {man.specrt_version})",
         f"device     {_device(man.device)}",
+        *_gated(man),
         *([f"backend    {choice.get('backend')} ({choice.get('reason')})"] if choice else []),
         *(_engines(man.engines) if man.engines else []),
         _runs(man),

@@ -18,9 +18,17 @@ slower than it is. Retime where the folder serves, when it is quiet.
   and by what the costs were measured.
 - The plan (`chosen`, `predicted`) is recomputed from the new costs and the acceptance the
   build measured (its draft's agreement with the target), as the build computes it.
+- First, the folder's exactness gates are measured again on this machine's kernels
+  (builder/gates/here.py: the target's verify rows against its decode rows, batched rows alone
+  against together, windows, a prompt in any cache row). Each is a property of the kernels,
+  which ONNX Runtime picks by instruction set and version; the runtime refuses a folder on
+  kernels its gates were not measured on (manifest.check_gated, `device.gated_on`). Where they
+  hold, this machine's kernels join `device.gated_on`; where one fails, a ParityError says which
+  and nothing is written (rebuild on this machine).
 - A batched model's prompt chunks are checked again (`models.batch.parity.chunk_invariance`,
   builder/gates/chunks.py): whether a request alone may prefill in larger chunks with the same
-  bits on this machine's kernels. Folders built before that check get it here.
+  bits on this machine's kernels; the folder takes them only where every machine in
+  `device.gated_on` gave the same bits. Folders built before that check get it here.
 """
 from __future__ import annotations
 
@@ -34,17 +42,13 @@ from specrt import manifest as mf
 from specrt.errors import ConfigError
 
 
-def _part(entry: mf.ModelEntry) -> tuple[str, dict]:
-    """(subfolder, the build's part dict for plan.step_costs) of a one-row model entry."""
-    sub = Path(entry.weights["file"]).parent
-    graphs = {g: {"file": str(Path(e.file).relative_to(sub)), "tokens": e.tokens} for g, e in entry.graphs.items()}
-    return str(sub), {"graphs": graphs, "dims": entry.dims}
-
-
 def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     """Measure the folder's step costs again and write them into its manifest; returns the new
     `build.speculation`."""
-    from specrt.builder.gates import batch_costs, plan
+    from specrt.builder.gates import batch_costs, here, plan
+    from specrt.builder.steps import prompt_ids
+    from specrt.runtime.backends.ort_cpu import gate_record
+    from specrt.runtime.tokenizer import Tokenizer
     root = Path(engines)
     man = mf.load(root)
     if man.device.get("kind") != "cpu" or man.engines is not None:
@@ -57,10 +61,14 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     previous = {k: old[k] for k in ("costs_ms", "batch_costs_ms") if k in old}
     was = old.get("retimed")
     previous["measured_by"] = was.get("by") if isinstance(was, dict) else "specrt build"
+    prompts = prompt_ids(Tokenizer(root, man.tokenizer), int(man.target.dims["vocab"]))
+    record = gate_record(f"specrt {__version__} retime")
+    out(f"retime: the exactness gates on this machine's kernels ({record['kernels'] if record else 'unknown'})")
+    record = {**(record or {}), "gates": here.recheck(root, man, prompts, out)}     # or a ParityError: nothing written
 
     out("retime: timing the one-row graphs (target decode, verify, draft decode)")
-    t_sub, t_part = _part(man.target)
-    d_sub, d_part = _part(man.draft) if man.draft is not None else (None, None)
+    t_sub, t_part = here.one_row_part(man.target)
+    d_sub, d_part = here.one_row_part(man.draft) if man.draft is not None else (None, None)
     costs = plan.step_costs(root / t_sub, t_part, root / d_sub if d_sub else None, d_part, man.shapes)
     acceptance = plan.draft_acceptance({"parity": man.draft.parity, "source": man.draft.source}
                                        if man.draft is not None else None)
@@ -79,22 +87,37 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     except Exception as e:      # the step costs above are written all the same
         out(f"retime: the kernel table could not be measured ({type(e).__name__}: {e}); the folder keeps "
             "the one it had")
-    models = dict(man.models)
+    models, gated = dict(man.models), _gated_on(man, record)
     if man.batch is not None:
         # whether a request alone may prefill in larger chunks (the same bits on this machine's
         # kernels: builder/gates/chunks.py); folders built before the check get it here
         from specrt.builder.gates import chunks
-        from specrt.builder.steps import prompt_ids
-        from specrt.runtime.tokenizer import Tokenizer
         out("retime: prompt chunks of a request alone (the same bits in larger chunks?)")
-        rec = chunks.measure(root, man.batch, man.shapes,
-                             prompt_ids(Tokenizer(root, man.tokenizer), int(man.batch.dims["vocab"])))
+        rec = chunks.measure(root, man.batch, man.shapes, prompts)
+        old = man.batch.parity.get("chunk_invariance") or {}
+        others = [g for g in gated or [] if g.get("kernels") != record.get("kernels")]
+        if others and rec.get("equal") and not old.get("equal"):
+            # the larger chunk only where every machine the folder serves on gives the same bits
+            rec = {**rec, "equal": old.get("equal"), "equal_here": True,
+                   "why": f"the same bits here, not where measured before ({len(others)} other kernel set(s))"}
         models["batch"] = dataclasses.replace(man.batch, parity={**man.batch.parity, "chunk_invariance": rec})
-    dataclasses.replace(man, build=build, models=models).save(root)
+    device = {**man.device, **({"gated_on": gated} if gated is not None else {})}
+    dataclasses.replace(man, build=build, models=models, device=device).save(root)
     out(f"retime: {summary(previous)} -> {summary(spec)}")
     out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels"
-        + (", models.batch.parity.chunk_invariance)" if man.batch is not None else ")"))
+        + (", models.batch.parity.chunk_invariance" if man.batch is not None else "")
+        + (", device.gated_on: the gates hold on this machine's kernels)" if gated is not None else ")"))
     return spec
+
+
+def _gated_on(man: mf.Manifest, record: dict) -> list[dict] | None:
+    """device.gated_on with this machine's record (replacing an earlier one of the same kernels);
+    a folder built before specrt recorded it: this machine's alone (where else it holds is unknown)."""
+    if not record.get("kernels"):
+        return man.device.get("gated_on")
+    gated = man.device.get("gated_on")
+    kept = [g for g in gated if isinstance(g, dict) and g.get("kernels") != record["kernels"]] if gated else []
+    return kept + [record]
 
 
 def summary(spec: dict) -> str:

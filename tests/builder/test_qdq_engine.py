@@ -18,6 +18,7 @@ from specrt.builder.gates import identity
 from specrt.calibration import qdq
 from specrt.errors import BuildOutputError, ConfigError, GraphFileError, ParityError
 from specrt.runtime import SpeculativeGenerator
+from specrt.runtime.backends.ort_cpu import kernel_fingerprint
 
 SMALL = qdq.QDQSpec(prompts=3, eval_prompts=2, decode_steps=6)
 TINY = qdq.QDQSpec(prompts=1, eval_prompts=1, decode_steps=2)
@@ -63,7 +64,9 @@ def test_manifest_describes_the_qdq_target_its_tokenizer_and_draft(shared, tiny_
     assert t.precision == "int8-qdq" and t.dims == src.target.dims and t.kv == src.target.kv
     assert set(t.graphs) == {"prefill", "decode", "verify"} and man.shapes == src.shapes
     assert all(g.file.startswith("target/") for g in t.graphs.values()) and t.weights["file"] == "target/weights.bin"
-    assert man.device == mf.this_device() and {"onnx", "onnxruntime", "specrt"} <= set(man.tools)
+    assert {k: v for k, v in man.device.items() if k != "gated_on"} == mf.this_device()
+    assert {"onnx", "onnxruntime", "specrt"} <= set(man.tools)
+    assert [g["kernels"] for g in man.device["gated_on"]] == [kernel_fingerprint()]     # its identity gate's kernels
     q = t.source["quantization"]
     assert q["method"] == "static Q/DQ" and q["symmetric"] and q["rules"]["passed"]
     assert q["calibration"]["prompts"] == 3 and q["calibration"]["max_abs_input"]

@@ -250,9 +250,10 @@ def _agreement(model, draft, cur: list[int], rows_ids, what: str) -> dict:
     return {"positions": total, "equal_argmax": same, "top1_agreement": round(same / total, 4)}
 
 
-def _model(tmp: Path, part: dict, shapes, rows: int, graphs=None, cache=None):
-    from specrt.builder.manifest_writer import model_entry
-    return _open(tmp, model_entry("batch", part, "batch"), shapes, rows, graphs, cache)
+def _model(tmp: Path, part, shapes, rows: int, graphs=None, cache=None):
+    """part: the build's dict, or a built folder's models.batch (`specrt retime`)."""
+    from specrt.builder.manifest_writer import as_entry
+    return _open(tmp, as_entry("batch", part, "batch"), shapes, rows, graphs, cache)
 
 
 def _open(root: Path, entry, shapes, rows: int, graphs=None, cache=None):
@@ -386,7 +387,7 @@ def agreement(tmp: Path, part: dict, target_part: dict, shapes, prompts) -> dict
     return {"positions": total, "equal_argmax": same, "rate": round(same / total, 4)}
 
 
-def window_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
+def window_invariance(tmp: Path, part, shapes, prompts, min_tokens: int | None = None) -> dict:
     """Each row's greedy steps as m-token steps (the token and m - 1 padding tokens, all rows in
     one call) vs the same positions inside (m+1)- to (k+1)-token windows (teacher-forced on the
     m-token steps' tokens), bit for bit; m = 1, else MIN_TOKENS. ONNX Runtime's CPU MatMul takes
@@ -394,7 +395,8 @@ def window_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     differently there, while 2..k+1 rows agree: a graph whose attention MatMuls see one row per
     token (ONNX Attention, one query per head) holds only from two tokens a row, so a batch
     that speculates runs every target pass with `min_tokens` tokens a row (the runtime pads
-    plain steps); the "rows" graphs group a kv head's G queries (G*T rows) and hold from one."""
+    plain steps); the "rows" graphs group a kv head's G queries (G*T rows) and hold from one.
+    min_tokens: measure that m only (`specrt retime`: the m a folder's runtime runs)."""
     model = _model(tmp, part, shapes, len(prompts))
     if model.multi_token_rows is not None:
         return {"equal": False, "reason": "GroupQueryAttention on the CPU runs several tokens per row only for one "
@@ -402,7 +404,7 @@ def window_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     rows_ids = [list(p[:shapes.max_context - STEPS - shapes.k - 2]) for p in prompts]
     n, W = len(rows_ids), shapes.k + 1
     worst = {}
-    for m in (1, MIN_TOKENS):
+    for m in (1, MIN_TOKENS) if min_tokens is None else (min_tokens,):
         model, win = _model(tmp, part, shapes, n), _model(tmp, part, shapes, n)
         cur = _prefill(model, rows_ids, shapes)
         _prefill(win, rows_ids, shapes)

@@ -94,9 +94,9 @@ def prompt_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
     """The gate at build time (module docstring): {"equal", "tokens", "rows", "lengths",
     "max_abs_logit_delta", "max_abs_kv_delta"}; equal None (with "why") where the context is
     too short for a prompt beside a longer one."""
-    from specrt.builder.manifest_writer import model_entry
+    from specrt.builder.manifest_writer import as_entry
     from specrt.runtime.backends.ort_batch import OrtBatchModel
-    entry = model_entry("batch", part, "batch")
+    entry = as_entry("batch", part, "batch")
     C, M = shapes.prefill_chunk, shapes.max_context
     ids = [int(t) for p in prompts for t in p]
     n, far = min(2 * C + 5, M // 3), M - 2        # the prompt (several chunks, a short last one); the long row

@@ -28,6 +28,7 @@ import onnx
 import onnxruntime as ort
 
 from specrt import manifest as mf
+from specrt.cpu_features import kernel_isa
 from specrt.errors import BackendError, ConfigError, GraphFileError, ManifestError
 from specrt.manifest import ModelEntry, Shapes
 from specrt.runtime.backends.base import Backend, register
@@ -309,8 +310,25 @@ class OrtModel:
         return r.logits[0, :n]
 
 
+def kernel_fingerprint() -> str | None:
+    """What ONNX Runtime's CPU kernels, hence their rounding, depend on here: its version and
+    the CPU's instruction set (cpu_features.kernel_isa); None where the flags cannot be read."""
+    isa = kernel_isa()
+    return None if isa is None else f"onnxruntime {ort.__version__}, {isa}"
+
+
+def gate_record(by: str) -> dict | None:
+    """An entry of a CPU manifest's device.gated_on: these kernels, who measured the gates, when."""
+    import datetime
+    here = kernel_fingerprint()
+    return None if here is None else {
+        "kernels": here, "by": by,
+        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def _check_device(man) -> None:
     mf.check_device(man, backend="onnxruntime")
+    mf.check_gated(man, kernel_fingerprint())
 
 
 BACKEND = register(Backend(name="ort-cpu", device_backend="onnxruntime", device_kind="cpu",
