@@ -38,10 +38,13 @@ def cmd_build(a) -> int:
     print(f"built {out}  (inspect with: specrt inspect {out})")
     from specrt import manifest as mf
     from specrt.tools.describe import kernel_summary
-    table = mf.load(out).build.get("kernels") if (Path(out) / mf.FILENAME).is_file() else None
-    hint = kernel_summary(table) if isinstance(table, dict) else None
-    if hint:
-        print(hint)
+    from specrt.builder.gates.quiet import warning
+    built = mf.load(out).build if (Path(out) / mf.FILENAME).is_file() else {}
+    table = built.get("kernels")
+    for hint in (kernel_summary(table) if isinstance(table, dict) else None,
+                 warning((built.get("speculation") or {}).get("conditions"))):
+        if hint:
+            print(hint)
     return 0
 
 

@@ -158,23 +158,29 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     if fp32_dir.name == "_fp32":
         shutil.rmtree(fp32_dir)
     build_info = {"config": cfg.as_dict(), "backend": choice}
+    from specrt.builder.gates import quiet
+    with quiet.cpu_share(cfg.threads, "specrt build") as timed:     # was the machine free while timing?
+        if cfg.measure_costs:
+            bar.set_postfix_str("timing the graphs")
+            build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
+            if cfg.batch:     # what each batched step costs per rows x T: speculation chosen per step
+                from specrt.builder.gates import batch_costs
+                build_info["speculation"]["batch_costs_ms"] = batch_costs.costs(tmp, parts["batch"], shapes,
+                                                                                draft_part=parts.get("batch_draft"))
+        man = manifest_writer.assemble_manifest(shapes, parts, tok_info, build_info, proposers=proposers)
+        if cfg.measure_costs:     # the kernel families at the shapes the runtime runs (builder/gates/kernels.py)
+            from specrt.builder.gates import kernels
+            bar.set_postfix_str("kernel table")
+            try:
+                man.build["kernels"] = kernels.measure(tmp, man, progress=bar.set_postfix_str)
+            except Exception as e:      # a table that informs --precision never fails the build it describes
+                log.warning("the kernel table could not be measured (%s: %s); the folder is built without it "
+                            "(`specrt retime` measures it again)", type(e).__name__, e)
+                man.build["kernels"] = {"error": f"{type(e).__name__}: {e}"}
     if cfg.measure_costs:
-        bar.set_postfix_str("timing the graphs")
-        build_info["speculation"] = _speculation_plan(tmp, parts, shapes)
-        if cfg.batch:     # what each batched step costs per rows x T: speculation chosen per step
-            from specrt.builder.gates import batch_costs
-            build_info["speculation"]["batch_costs_ms"] = batch_costs.costs(tmp, parts["batch"], shapes,
-                                                                            draft_part=parts.get("batch_draft"))
-    man = manifest_writer.assemble_manifest(shapes, parts, tok_info, build_info, proposers=proposers)
-    if cfg.measure_costs:     # the kernel families at the shapes the runtime runs (builder/gates/kernels.py)
-        from specrt.builder.gates import kernels
-        bar.set_postfix_str("kernel table")
-        try:
-            man.build["kernels"] = kernels.measure(tmp, man, progress=bar.set_postfix_str)
-        except Exception as e:      # a table that informs --precision never fails the build it describes
-            log.warning("the kernel table could not be measured (%s: %s); the folder is built without it "
-                        "(`specrt retime` measures it again)", type(e).__name__, e)
-            man.build["kernels"] = {"error": f"{type(e).__name__}: {e}"}
+        man.build["speculation"]["conditions"] = timed
+        if quiet.warning(timed):
+            log.warning("%s", quiet.warning(timed))
     man.build["seconds"] = round(time.perf_counter() - t_start, 1)
     manifest_writer.save_manifest(man, tmp)
     step("manifest written")

@@ -81,10 +81,16 @@ def _plan(sp: dict) -> list[str]:
 
 
 def _retimed(sp: dict) -> list[str]:
-    r = sp.get("retimed")
+    from specrt.builder.gates.quiet import warning
+    r, c = sp.get("retimed"), sp.get("conditions")
+    share = (f"; this process had x{c['cpu_share']:.2f} of its {c.get('threads')} threads' time while timing"
+             if isinstance(c, dict) and isinstance(c.get("cpu_share"), (int, float)) else "")
+    busy = [f"           {warning(c)}"] if warning(c) else []
     if not isinstance(r, dict):
-        return ["timed      by the build, where it ran (`specrt retime FOLDER` measures again where it serves)"]
-    return [f"timed      by {r.get('by')} at {r.get('at')} (the build's costs kept in build.speculation.retimed)"]
+        return [f"timed      by the build, where it ran (`specrt retime FOLDER` measures again where it serves){share}",
+                *busy]
+    return [f"timed      by {r.get('by')} at {r.get('at')} (the build's costs kept in build.speculation.retimed)"
+            f"{share}", *busy]
 
 
 def _proposers(props: dict) -> list[str]:

@@ -43,9 +43,9 @@ from specrt.errors import ConfigError
 
 
 def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
-    """Measure the folder's step costs again and write them into its manifest; returns the new
-    `build.speculation`."""
-    from specrt.builder.gates import batch_costs, here, plan
+    """Measure the folder's gates and step costs again and write them into its manifest; returns
+    the new `build.speculation`."""
+    from specrt.builder.gates import here, quiet
     from specrt.builder.steps import prompt_ids
     from specrt.runtime.backends.ort_cpu import gate_record
     from specrt.runtime.tokenizer import Tokenizer
@@ -57,15 +57,37 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
                           "folders. Rebuild it on the GPU that serves it to measure them again")
     out(f"retime: checking every file of {root} (sha256)")
     mf.check_files(man, root, hashes=True)
+    prompts = prompt_ids(Tokenizer(root, man.tokenizer), int(man.target.dims["vocab"]))
+    record = gate_record(f"specrt {__version__} retime") or {}
+    out(f"retime: the exactness gates on this machine's kernels ({record.get('kernels', 'unknown')})")
+    record["gates"] = here.recheck(root, man, prompts, out)       # or a ParityError: nothing written
+    threads = int((man.build.get("config") or {}).get("threads") or 2)
+    with quiet.cpu_share(threads, f"specrt {__version__} retime") as timed:     # was the machine free?
+        spec, kernels = _timings(root, man, out)
+    spec["conditions"] = timed
+    if quiet.warning(timed):
+        out(f"retime: {quiet.warning(timed)}")
+    build = {**man.build, "speculation": spec, **kernels}
+    models, gated = dict(man.models), _gated_on(man, record)
+    if man.batch is not None:
+        models["batch"] = dataclasses.replace(man.batch, parity={**man.batch.parity, "chunk_invariance": _chunks(
+            root, man, prompts, record, gated, out)})
+    device = {**man.device, **({"gated_on": gated} if gated is not None else {})}
+    dataclasses.replace(man, build=build, models=models, device=device).save(root)
+    out(f"retime: {summary(spec['retimed']['previous'])} -> {summary(spec)}")
+    out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels"
+        + (", models.batch.parity.chunk_invariance" if man.batch is not None else "")
+        + (", device.gated_on: the gates hold on this machine's kernels)" if gated is not None else ")"))
+    return spec
+
+
+def _timings(root: Path, man: mf.Manifest, out: Callable[[str], None]) -> tuple[dict, dict]:
+    """(the new build.speculation, {"kernels": the kernel table} or {} where it failed)."""
+    from specrt.builder.gates import batch_costs, here, kernels, plan
     old = dict(man.build.get("speculation") or {})
     previous = {k: old[k] for k in ("costs_ms", "batch_costs_ms") if k in old}
     was = old.get("retimed")
     previous["measured_by"] = was.get("by") if isinstance(was, dict) else "specrt build"
-    prompts = prompt_ids(Tokenizer(root, man.tokenizer), int(man.target.dims["vocab"]))
-    record = gate_record(f"specrt {__version__} retime")
-    out(f"retime: the exactness gates on this machine's kernels ({record['kernels'] if record else 'unknown'})")
-    record = {**(record or {}), "gates": here.recheck(root, man, prompts, out)}     # or a ParityError: nothing written
-
     out("retime: timing the one-row graphs (target decode, verify, draft decode)")
     t_sub, t_part = here.one_row_part(man.target)
     d_sub, d_part = here.one_row_part(man.draft) if man.draft is not None else (None, None)
@@ -79,35 +101,29 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     spec["retimed"] = {"by": f"specrt {__version__} retime",
                        "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "previous": previous}
-    from specrt.builder.gates import kernels
     out("retime: the kernel table (each kernel family at the shapes the runtime runs)")
-    build = {**man.build, "speculation": spec}
     try:
-        build["kernels"] = kernels.measure(root, man, measured_by=spec["retimed"]["by"])
+        return spec, {"kernels": kernels.measure(root, man, measured_by=spec["retimed"]["by"])}
     except Exception as e:      # the step costs above are written all the same
         out(f"retime: the kernel table could not be measured ({type(e).__name__}: {e}); the folder keeps "
             "the one it had")
-    models, gated = dict(man.models), _gated_on(man, record)
-    if man.batch is not None:
-        # whether a request alone may prefill in larger chunks (the same bits on this machine's
-        # kernels: builder/gates/chunks.py); folders built before the check get it here
-        from specrt.builder.gates import chunks
-        out("retime: prompt chunks of a request alone (the same bits in larger chunks?)")
-        rec = chunks.measure(root, man.batch, man.shapes, prompts)
-        old = man.batch.parity.get("chunk_invariance") or {}
-        others = [g for g in gated or [] if g.get("kernels") != record.get("kernels")]
-        if others and rec.get("equal") and not old.get("equal"):
-            # the larger chunk only where every machine the folder serves on gives the same bits
-            rec = {**rec, "equal": old.get("equal"), "equal_here": True,
-                   "why": f"the same bits here, not where measured before ({len(others)} other kernel set(s))"}
-        models["batch"] = dataclasses.replace(man.batch, parity={**man.batch.parity, "chunk_invariance": rec})
-    device = {**man.device, **({"gated_on": gated} if gated is not None else {})}
-    dataclasses.replace(man, build=build, models=models, device=device).save(root)
-    out(f"retime: {summary(previous)} -> {summary(spec)}")
-    out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels"
-        + (", models.batch.parity.chunk_invariance" if man.batch is not None else "")
-        + (", device.gated_on: the gates hold on this machine's kernels)" if gated is not None else ")"))
-    return spec
+        return spec, {}
+
+
+def _chunks(root: Path, man: mf.Manifest, prompts, record: dict, gated: list | None,
+            out: Callable[[str], None]) -> dict:
+    """models.batch.parity.chunk_invariance: whether a request alone may prefill in larger chunks
+    (the same bits on this machine's kernels: builder/gates/chunks.py; folders built before the
+    check get it here), and only where every machine the folder is gated on gave the same bits."""
+    from specrt.builder.gates import chunks
+    out("retime: prompt chunks of a request alone (the same bits in larger chunks?)")
+    rec = chunks.measure(root, man.batch, man.shapes, prompts)
+    old = man.batch.parity.get("chunk_invariance") or {}
+    others = [g for g in gated or [] if g.get("kernels") != record.get("kernels")]
+    if others and rec.get("equal") and not old.get("equal"):
+        rec = {**rec, "equal": old.get("equal"), "equal_here": True,
+               "why": f"the same bits here, not where measured before ({len(others)} other kernel set(s))"}
+    return rec
 
 
 def _gated_on(man: mf.Manifest, record: dict) -> list[dict] | None:

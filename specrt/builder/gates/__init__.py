@@ -11,4 +11,9 @@
 - `ngrams.py`: the target's n-gram table of its own greedy text (pair rounds).
 - `rows.py`: a one-token graph on the multi-row kernels (plain decoding that rounds as the
   verify pass does).
+- `batch.py`, `chunks.py`, `batch_costs.py`: the batched model's export, its invariance gates
+  (rows, windows, prompt chunks, prompt rows) and its step costs per rows x tokens.
+- `here.py`: a built folder's exactness gates measured again on the machine it serves on
+  (`specrt retime`; manifest `device.gated_on`).
+- `quiet.py`: whether the machine was free while the costs and the kernel table were timed.
 """
