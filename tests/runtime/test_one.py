@@ -228,10 +228,25 @@ def test_specrt_generate_runs_the_batch_of_one_unless_asked_for_the_one_row_grap
     capsys.readouterr()
 
 
-def test_a_batch_of_one_s_requests_share_what_the_draft_s_verdicts_taught(gen):
+@pytest.fixture(scope="module")
+def drafting(tiny_batch_rows_draft_engines, tmp_path_factory):
+    """The folder with a draft step a quarter of a target step (its costs edited): the policy
+    drafts whatever this machine's load was when the build timed the tiny folder (timed beside
+    other work, the tiny draft's step came out at x0.95 a target step, and no round drafted)."""
+    eng = copy_engines(tiny_batch_rows_draft_engines, tmp_path_factory.mktemp("one") / "drafting")
+
+    def cheap(raw):
+        b = raw["build"]["speculation"]["batch_costs_ms"]
+        b["draft"] = {n: round(ms / 4, 4) for n, ms in b["target"]["1"].items()}
+    edit_manifest(eng, cheap)
+    return SpeculativeGenerator(eng)
+
+
+def test_a_batch_of_one_s_requests_share_what_the_draft_s_verdicts_taught(drafting):
     """Each request of the single stream gets a policy of its own (method, lookup n-gram), all
     over one pooled estimate of the draft (BatchPolicy.row_accept), so a request starts where
     the ones before it left the draft, not at the build's prior."""
+    gen = drafting
     gen.generate(PROMPTS[0], max_new_tokens=NEW)
     first = gen.one.engine.policy
     pooled = first.pooled["draft"]

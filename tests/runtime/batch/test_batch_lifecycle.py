@@ -133,12 +133,12 @@ def test_a_running_request_ended_between_steps_gets_no_further_round_and_keeps_i
 
 def test_closing_cancels_a_request_caught_between_the_queue_and_its_row(monkeypatch):
     """close() from another thread may land while the engine thread has taken a request off the
-    queue but not yet made it the pending row (engine.py _admit): it is in neither list, so the
+    queue but not yet made it the pending row (admission.py _admit): it is in neither list, so the
     owner's snapshot misses it. The engine's `closing` flag cancels every request it holds at the
     next step, in whatever state: the request ends "cancelled", not with its whole answer."""
-    import specrt.runtime.batch.engine as engine_mod
+    import specrt.runtime.batch.admission as admission_mod
     eng, lm = make_engine(1, costs=None, draft=False, lookup=False)
-    real_row, landed = engine_mod.Row, []
+    real_row, landed = admission_mod.Row, []
 
     def row(req, *a, **k):
         if not landed:               # the first Row made is _admit's: the request is in no list now
@@ -147,7 +147,7 @@ def test_closing_cancels_a_request_caught_between_the_queue_and_its_row(monkeypa
             landed.append(req)
         return real_row(req, *a, **k)
 
-    monkeypatch.setattr(engine_mod, "Row", row)
+    monkeypatch.setattr(admission_mod, "Row", row)
     got = submit(eng, [1, 2, 3], 30)
     steps = 0
     while not eng.idle():

@@ -1,0 +1,147 @@
+"""Requests into rows, for the batched engine (runtime/batch/engine.py, which inherits these):
+requests cancelled or past their deadline leave (`_drop_cancelled`); the oldest waiting request
+takes the free cache row after the running ones (`_admit`); its prompt runs one chunk a call,
+one row alone in the call (`_prefill_chunk`: a request's prompt is computed the same way
+whatever else is in the batch), and after its last chunk it gets its first token
+(`_first_token`) and its samples (n > 1) are copies of its row (`_fork`). Split from engine.py
+for length only: the methods read the engine's state (rows, pending, waiting, models, buffers)
+as before."""
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+
+from specrt.runtime import nvtx_ranges as trace
+from specrt.runtime.batch.request import Done, Request, Row
+from specrt.runtime.grammar import GrammarError
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def _drop_cancelled(self) -> None:
+        now = self.clock()
+
+        def why(req: Request) -> str | None:
+            if self.closing:        # whatever state it is in (waiting, being admitted, prefilled, running)
+                req.cancel()
+            if req.cancelled.is_set():
+                return "cancelled"
+            if req.poll_cancel is not None:
+                try:
+                    gone = req.poll_cancel()
+                except Exception:       # a broken poll must not stop the engine's other requests
+                    log.exception("request %d: poll_cancel failed; it is not polled again", req.id)
+                    req.poll_cancel, gone = None, False
+                if gone:
+                    req.cancel()
+                    return "cancelled"
+            return "timeout" if req.deadline is not None and now >= req.deadline else None
+
+        with self._lock:
+            kept = collections.deque()
+            for req in self.waiting:
+                reason = why(req)
+                if reason:
+                    for r in (req, *req.siblings):      # samples not yet forked share its fate
+                        r.sink(Done(reason, len(r.prompt), 0, Row(r, 0, None, {}, 0).metrics))
+                else:
+                    kept.append(req)
+            self.waiting = kept
+        for row in self.rows + ([self.pending] if self.pending else []):
+            reason = why(row.req)
+            if reason and row.finish is None:
+                row.finish = reason
+
+    def _admit(self) -> None:
+        if self.pending is not None or len(self.rows) >= self.max_num_seqs:
+            return
+        with self._lock:
+            # a request with siblings waits until a row is free for each of them (oldest first)
+            if not self.waiting or len(self.rows) + 1 + len(self.waiting[0].siblings) > self.max_num_seqs:
+                return
+            req = self.waiting.popleft()
+        budget = min(req.max_new_tokens, self.max_context - len(req.prompt))
+        self.pending = Row(req, budget, self.tokenizer, self.policy.row_accept(), self.k_max)
+
+    def _prefill_chunk(self) -> int:
+        """One chunk of the pending row's prompt; returns its tokens."""
+        row, slot = self.pending, len(self.rows)
+        # a request alone: the larger chunk (the same bits, builder/gates/chunks.py), as nothing
+        # waits on this step; beside running rows the folder's chunk bounds their wait
+        alone = not self.rows and not self._own_draft
+        prompt, T = row.req.prompt, self.lone_prefill_tokens if alone else self.prefill_tokens
+        chunk = prompt[row.length:row.length + T]
+        if not self.target.graph_tokens.get("prefill", 0):
+            # a graph with a symbolic T runs the chunk unpadded (a short prompt's last chunk costs
+            # its own tokens); the row is alone in the call, so its T depends on its prompt only
+            T = max(len(chunk), self.target.min_rows, self.min_tokens)
+        self._tokens[0, :T] = 0
+        self._tokens[0, :len(chunk)] = chunk
+        self._starts[0] = row.length
+        # logits of the chunk's last token only (the LM head is a fifth of a chunk's cost), over
+        # at least min_rows positions; the row is alone in the call, so they depend on its prompt only
+        positions = self._positions
+        lo = max(len(chunk) - positions.shape[1], 0)
+        np.add(self._offsets, lo, out=positions[0])
+        # (a padding row, where the model pads odd calls, goes after the pending row: free)
+        trace.push("prefill")
+        logits = self.target.step("prefill", self._tokens[:1, :T], self._starts[:1], slot, positions, pad_start=0)
+        trace.pop()
+        if self.head is not None:  # the prompt's pairs go into the head's cache at its first draft round
+            row.feats.append(self.target.hidden[0, :len(chunk)].copy())
+        if self._own_draft:
+            # the same chunk into the draft's cache row (its logits are not read: its first
+            # proposal comes from the round's catch-up of the row's last token)
+            self._feed_draft(slot, [chunk], [row.length], "prefill", pad=0)
+            row.draft_len = row.length + len(chunk)
+        row.length += len(chunk)
+        self.stats.prefill_chunks += 1
+        if not row.prefilled:
+            return len(chunk)
+        self.pending = None
+        self.rows.append(row)
+        last = logits[0, len(chunk) - 1 - lo][None]
+        # its samples still to fork: fail_all tells them too if this step fails before they are rows
+        self._unforked = list(row.req.siblings)
+        self._first_token(row, last)
+        while self._unforked:
+            self._fork(row, slot, last)
+        return len(chunk)
+
+    def _fork(self, row: Row, slot: int, last: np.ndarray) -> None:
+        """The next sample in `_unforked` of row's prompt, just prefilled in cache row `slot`: the
+        prompt's K/V copied into the next free row (and the draft's, with its own cache), its first
+        token chosen from the same logits with its own seed and grammar. It leaves `_unforked` only
+        as it becomes a row (or is told it was cancelled): a copy that raises leaves it there, for
+        fail_all to tell."""
+        req = self._unforked[0]
+        if req.cancelled.is_set():
+            self._unforked.pop(0)
+            req.sink(Done("cancelled", len(req.prompt), 0, Row(req, 0, None, {}, 0).metrics))
+            return
+        child = Row(req, row.budget, self.tokenizer, self.policy.row_accept(), self.k_max)
+        dst = len(self.rows)
+        self.target.cache.move_row(slot, dst, row.length)      # a copy: the source row keeps its K/V
+        child.length = row.length
+        if self._own_draft:
+            self.draft.cache.move_row(slot, dst, row.draft_len)
+            child.draft_len = row.draft_len
+        if self.head is not None:
+            self.head.move_row(slot, dst, row.head_len)
+            child.head_len, child.feats = row.head_len, list(row.feats)
+        self._unforked.pop(0)
+        self.rows.append(child)
+        self._first_token(child, last)
+
+    def _first_token(self, row: Row, last: np.ndarray) -> None:
+        """A row's first token, from the logits [1, V] at its prompt's last position."""
+        try:
+            first = self._verify(row, last, ())[1]
+        except GrammarError as e:
+            self._fail(row, e)
+            return
+        self._logprobs(row, last, [first])
+        self._emit(row, (), first)
