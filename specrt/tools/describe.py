@@ -83,8 +83,8 @@ def _plan(sp: dict) -> list[str]:
 def _retimed(sp: dict) -> list[str]:
     from specrt.builder.gates.quiet import warning
     r, c = sp.get("retimed"), sp.get("conditions")
-    share = (f"; this process had x{c['cpu_share']:.2f} of its {c.get('threads')} threads' time while timing"
-             if isinstance(c, dict) and isinstance(c.get("cpu_share"), (int, float)) else "")
+    share = (f"; other processes used x{c['others_share']:.2f} of the machine's CPU time while timing"
+             if isinstance(c, dict) and isinstance(c.get("others_share"), (int, float)) else "")
     busy = [f"           {warning(c)}"] if warning(c) else []
     if not isinstance(r, dict):
         return [f"timed      by the build, where it ran (`specrt retime FOLDER` measures again where it serves){share}",
