@@ -1,5 +1,5 @@
 """Which int8 kernels ONNX Runtime runs on this CPU: the manifest records it at build time,
-the runtime compares it before loading a quantized engine (manifest.check_device).
+the runtime compares it before loading a quantized engine (manifest_device.check_device).
 
 ONNX Runtime's x86 int8 kernels (MLAS; MatMulNBits with accuracy_level 4, MatMulIntegerToFloat,
 DynamicQuantizeMatMul) take one path on CPUs with a dot-product instruction (AVX-512 VNNI,
@@ -7,7 +7,7 @@ AVX-VNNI, AMX) and another without (AVX2: u8 x s8 product pairs added in int16, 
 rows rounded differently by row count). The build's exactness gates (decode vs verify rows,
 batch and window invariance) hold for the path they were measured on, not for the other.
 
-Pure stdlib: manifest.py imports it.
+Pure stdlib: manifest_device.py (the manifest's device checks) imports it.
 """
 from __future__ import annotations
 

@@ -14,14 +14,14 @@ _DEVICE_KEYS = ("backend", "kind", "machine", "os", "int8_kernels", "gated_on")
 
 def _device(dev: dict) -> str:
     facts = "".join(f"; {k} {v}" for k, v in dev.items() if k not in _DEVICE_KEYS)
-    # quantized engines load only where the int8 path matches (manifest.check_int8_kernels)
+    # quantized engines load only where the int8 path matches (manifest_device.check_int8_kernels)
     if "int8_kernels" in dev:
         facts += f"; int8 kernels {dev['int8_kernels']} (this CPU: {int8_kernels()})"
     return f"{dev.get('backend')} on {dev.get('kind')} ({dev.get('machine')}, {dev.get('os')}){facts}"
 
 
 def _gated(man: mf.Manifest) -> list[str]:
-    """Where the folder's exactness gates were measured (manifest.check_gated refuses other kernels)."""
+    """Where the folder's exactness gates were measured (manifest_device.check_gated refuses other kernels)."""
     where = mf.gated_kernels(man)
     if where is None or man.device.get("kind") != "cpu":
         return []

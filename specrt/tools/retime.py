@@ -22,7 +22,7 @@ slower than it is. Retime where the folder serves, when it is quiet.
   (builder/gates/here.py: the target's verify rows against its decode rows, batched rows alone
   against together, windows, a prompt in any cache row). Each is a property of the kernels,
   which ONNX Runtime picks by instruction set and version; the runtime refuses a folder on
-  kernels its gates were not measured on (manifest.check_gated, `device.gated_on`). Where they
+  kernels its gates were not measured on (manifest_device.check_gated, `device.gated_on`). Where they
   hold, this machine's kernels join `device.gated_on`; where one fails, a ParityError says which
   and nothing is written (rebuild on this machine).
 - A batched model's prompt chunks are checked again (`models.batch.parity.chunk_invariance`,

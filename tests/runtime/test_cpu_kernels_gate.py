@@ -3,7 +3,7 @@
 is refused on an AVX2-only CPU, and the reverse, by every way of loading it. fp32 targets, int8
 drafts and manifests written before the field load as before.
 
-"This CPU" is pinned to "avx2" (monkeypatched into manifest.this_device) so the tests say the
+"This CPU" is pinned to "avx2" (monkeypatched into manifest_device.this_device) so the tests say the
 same on any machine; the folders are tiny fixtures copied to tmp_path with device.int8_kernels
 edited, as a folder copied from another machine would carry it."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from bad_input_helpers import copy_engines, edit_manifest, expect
 
 from specrt import cpu_features
 from specrt import manifest as mf
+from specrt import manifest_device
 from specrt.errors import Int8KernelsError
 from specrt.runtime import SpeculativeGenerator
 from specrt.runtime.batch.generator import open_batch
@@ -39,7 +40,7 @@ LOADERS = {"SpeculativeGenerator": _speculative, "open_batch": _batch}
 
 @pytest.fixture
 def avx2_here(monkeypatch):
-    monkeypatch.setattr(mf, "int8_kernels", lambda: HERE)
+    monkeypatch.setattr(manifest_device, "int8_kernels", lambda: HERE)
 
 
 def recorded(src, tmp_path, kernels: str | None):

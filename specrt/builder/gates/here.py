@@ -9,7 +9,7 @@ row gives the same bits whatever the rows beside it and whatever cache length it
 (AVX2, AVX-512, VNNI, AMX) and changes them between versions; another kernel may sum in
 another order. So the manifest records the kernels the gates held on (device.gated_on:
 runtime/backends/ort_cpu.py kernel_fingerprint), the runtime refuses a folder on kernels it
-was not measured on (manifest.check_gated), and `specrt retime` measures the gates here, over
+was not measured on (manifest_device.check_gated), and `specrt retime` measures the gates here, over
 the folder's own files and the build's calibration prompts, with the folder's own settings
 (its padding of odd calls, its windows' min_tokens): where one fails the folder cannot serve
 here (ParityError naming the gate; rebuild on this machine, where the build chooses settings

@@ -98,7 +98,7 @@ def backend_for(manifest) -> Backend:
 def check_built_for(device: dict, name: str, backend: str, kind: str) -> None:
     """Refuse engines built for another backend, processor or OS than the `name` backend runs
     here ({"backend": backend, "kind": kind}); the device check the GPU backends share (ort-cpu's
-    is manifest.check_device, which also compares the kind with this machine's)."""
+    is manifest_device.check_device, which also compares the kind with this machine's)."""
     if (device.get("backend"), device.get("kind")) != (backend, kind):
         raise ManifestError(f"engines were built for backend {device.get('backend')!r} on {device.get('kind')!r}; "
                             f"the {name} backend runs {backend!r} on {kind!r}: rebuild with `specrt build` on this "
