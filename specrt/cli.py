@@ -172,7 +172,7 @@ def cmd_check_modes(a) -> int:
 
 def cmd_retime(a) -> int:
     from specrt.tools.retime import retime
-    retime(a.engines)
+    retime(a.engines, gates_only=a.gates_only)
     return 0
 
 
@@ -395,6 +395,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "that choose speculation into its manifest (a build timed on a busy or another machine "
                         "chooses badly)")
     rt.add_argument("engines", help="folder written by `specrt build` (ONNX Runtime CPU)")
+    rt.add_argument("--gates-only", action="store_true",
+                    help="measure the exactness gates on this machine and add it to the folder's machines, keeping "
+                         "the costs (another kind of CPU the folder also serves on)")
     rt.set_defaults(fn=cmd_retime)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

@@ -42,9 +42,12 @@ from specrt import manifest as mf
 from specrt.errors import ConfigError
 
 
-def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
+def retime(engines: str | Path, *, out: Callable[[str], None] = print, gates_only: bool = False) -> dict:
     """Measure the folder's gates and step costs again and write them into its manifest; returns
-    the new `build.speculation`."""
+    the new `build.speculation`. gates_only: the gates and the prompt chunks' check only, the
+    costs and the kernel table kept (a folder that serves on several kinds of CPU: one manifest
+    holds one cost table, that of the machine that serves most, retimed there; the others are
+    added with gates_only)."""
     from specrt.builder.gates import here, quiet
     from specrt.builder.steps import prompt_ids
     from specrt.runtime.backends.ort_cpu import gate_record
@@ -61,23 +64,29 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print) -> dict:
     record = gate_record(f"specrt {__version__} retime") or {}
     out(f"retime: the exactness gates on this machine's kernels ({record.get('kernels', 'unknown')})")
     record["gates"] = here.recheck(root, man, prompts, out)       # or a ParityError: nothing written
-    threads = int((man.build.get("config") or {}).get("threads") or 2)
-    with quiet.cpu_share(threads, f"specrt {__version__} retime") as timed:     # was the machine free?
-        spec, kernels = _timings(root, man, out)
-    spec["conditions"] = timed
-    if quiet.warning(timed):
-        out(f"retime: {quiet.warning(timed)}")
-    build = {**man.build, "speculation": spec, **kernels}
+    if gates_only:
+        spec, build = dict(man.build.get("speculation") or {}), man.build
+    else:
+        threads = int((man.build.get("config") or {}).get("threads") or 2)
+        with quiet.cpu_share(threads, f"specrt {__version__} retime") as timed:     # was the machine free?
+            spec, kernels = _timings(root, man, out)
+        spec["conditions"] = timed
+        if quiet.warning(timed):
+            out(f"retime: {quiet.warning(timed)}")
+        build = {**man.build, "speculation": spec, **kernels}
     models, gated = dict(man.models), _gated_on(man, record)
     if man.batch is not None:
         models["batch"] = dataclasses.replace(man.batch, parity={**man.batch.parity, "chunk_invariance": _chunks(
             root, man, prompts, record, gated, out)})
     device = {**man.device, **({"gated_on": gated} if gated is not None else {})}
     dataclasses.replace(man, build=build, models=models, device=device).save(root)
-    out(f"retime: {summary(spec['retimed']['previous'])} -> {summary(spec)}")
-    out(f"retime: written to {root / mf.FILENAME} (build.speculation, build.kernels"
-        + (", models.batch.parity.chunk_invariance" if man.batch is not None else "")
-        + (", device.gated_on: the gates hold on this machine's kernels)" if gated is not None else ")"))
+    if not gates_only:
+        out(f"retime: {summary(spec['retimed']['previous'])} -> {summary(spec)}")
+    fields = ([] if gates_only else ["build.speculation", "build.kernels"]) + \
+        (["models.batch.parity.chunk_invariance"] if man.batch is not None else []) + \
+        (["device.gated_on: the gates hold on this machine's kernels"] if gated is not None else [])
+    out(f"retime: written to {root / mf.FILENAME} ({', '.join(fields)}"
+        + ("; the costs and the kernel table kept)" if gates_only else ")"))
     return spec
 
 

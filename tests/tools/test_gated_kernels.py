@@ -135,6 +135,20 @@ def test_retime_measures_the_gates_on_these_kernels_and_the_folder_then_serves(r
     assert [g["kernels"] for g in mf.load(eng).device["gated_on"]] == [gated[0]["kernels"], OTHER]
 
 
+def test_gates_only_adds_these_kernels_and_keeps_the_costs(tiny_batch_rows_engines, tmp_path, elsewhere, capsys):
+    """A folder that serves on a second kind of CPU: the gates measured there, the costs (one
+    table, the main machine's) untouched."""
+    from specrt.cli import main
+    eng = copy_engines(tiny_batch_rows_engines, tmp_path)
+    before = mf.load(eng)
+    assert main(["retime", str(eng), "--gates-only"]) == 0
+    assert "the costs and the kernel table kept" in capsys.readouterr().out
+    man = mf.load(eng)
+    assert [g["kernels"] for g in man.device["gated_on"]] == [before.device["gated_on"][0]["kernels"], OTHER]
+    assert man.build == before.build
+    _batch(eng)
+
+
 def test_a_gate_that_fails_on_these_kernels_stops_retime_and_writes_nothing(tiny_batch_rows_engines, tmp_path,
                                                                            elsewhere, monkeypatch):
     eng = copy_engines(tiny_batch_rows_engines, tmp_path)
