@@ -11,13 +11,12 @@ Pure stdlib, as manifest.py.
 from __future__ import annotations
 
 import platform
-from typing import TYPE_CHECKING
 
 from specrt.cpu_features import int8_kernels
 from specrt.errors import GatesNotMeasuredError, Int8KernelsError, ManifestError
 
-if TYPE_CHECKING:
-    from specrt.manifest import Manifest, ModelEntry
+# `man` below is a specrt.manifest.Manifest and `entry` a ModelEntry: not imported, as manifest.py
+# imports this module (imports point one way)
 
 
 def this_device() -> dict:
@@ -33,7 +32,7 @@ def gpu_device(backend: str, **facts) -> dict:
     return {"kind": "cuda", "backend": backend, "machine": platform.machine(), "os": platform.system(), **facts}
 
 
-def check_device(man: Manifest, backend: str = "onnxruntime") -> None:
+def check_device(man, backend: str = "onnxruntime") -> None:
     """Refuse artifacts built for another backend / processor / OS, with what to do."""
     here, built = this_device(), man.device
     if built.get("backend") != backend:
@@ -48,7 +47,7 @@ def check_device(man: Manifest, backend: str = "onnxruntime") -> None:
     check_int8_kernels(man, here["int8_kernels"])
 
 
-def gated_kernels(man: Manifest) -> list[str] | None:
+def gated_kernels(man) -> list[str] | None:
     """The kernels (runtime/backends/ort_cpu.py kernel_fingerprint) a CPU folder's exactness
     gates hold on: its build's and every `specrt retime` that measured them again; None for
     folders built before specrt recorded them."""
@@ -61,7 +60,7 @@ def gated_kernels(man: Manifest) -> list[str] | None:
     return [g["kernels"] for g in gated]
 
 
-def check_gated(man: Manifest, here: str | None) -> None:
+def check_gated(man, here: str | None) -> None:
     """Refuse a CPU folder whose exactness gates were not measured on this machine's kernels
     (`here`: onnxruntime version and instruction set; None where /proc/cpuinfo cannot be read).
     Every guarantee of a folder is a property of the kernels that compute it: the decode and
@@ -84,14 +83,14 @@ def check_gated(man: Manifest, here: str | None) -> None:
 _KERNEL_NAMES = {"dot": "VNNI/AMX dot products", "avx2": "AVX2 without VNNI/AMX", "other": "not x86"}
 
 
-def uses_int8_kernels(entry: ModelEntry) -> bool:
+def uses_int8_kernels(entry) -> bool:
     """Do this model's tokens depend on ONNX Runtime's int8 kernels? Its weights are quantized
     (precision int8 / int4 / int8-qdq: MatMulNBits with int8 compute, Q/DQ), or its prompt
     chunks run an int8 graph (the batched model's `--batch-prefill rowwise`, source.prefill_graph)."""
     return entry.precision not in ("fp32", "fp16") or "prefill_graph" in (entry.source or {})
 
 
-def check_int8_kernels(man: Manifest, here: str) -> None:
+def check_int8_kernels(man, here: str) -> None:
     """Refuse a target or batched model whose tokens depend on int8 kernels when the build's CPU
     took another int8 path than this one (`here`, cpu_features.int8_kernels()): the build's gates
     (decode rows = verify rows, batch and window invariance) were measured on the build's path.
