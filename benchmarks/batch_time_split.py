@@ -4,6 +4,7 @@ submitted together (the held-out prompts of benchmarks/concurrency.py, each twic
 tokens, beside the wall time.
 
     .venv/bin/python benchmarks/batch_time_split.py ENGINES [ENGINES ...] [--rows 24] [--new 128]
+        [--prefill-budget 1024] [--rounds 1]
 
 Prints per folder: wall time and tok/s, prompt chunks (calls, seconds), decode/verify steps
 (calls, seconds, the mean full-width step), what is left (the engine's Python), and the
@@ -28,7 +29,7 @@ from specrt.runtime.batch.generator import open_batch  # noqa: E402
 from specrt.runtime.batch.request import Done, Failed  # noqa: E402
 
 
-def split(folder: Path, rows: int, new: int, prompts: list[list[int]]) -> None:
+def split(folder: Path, rows: int, new: int, prompts: list[list[int]], budget: int | None = None) -> None:
     spent: dict = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     real = OrtBatchModel.step
@@ -44,7 +45,7 @@ def split(folder: Path, rows: int, new: int, prompts: list[list[int]]) -> None:
 
     OrtBatchModel.step = timed
     try:
-        gen = open_batch(folder, max_num_seqs=rows, threads=2)
+        gen = open_batch(folder, max_num_seqs=rows, threads=2, prefill_budget=budget)
 
         def run(reqs, n):
             done: queue.Queue = queue.Queue()
@@ -67,10 +68,11 @@ def split(folder: Path, rows: int, new: int, prompts: list[list[int]]) -> None:
     prompt = [k for k in spent if k[0] == "prefill"]
     steps = [k for k in spent if k[0] != "prefill"]
     full = [k for k in steps if k[1] == rows]
+    wide = sum(calls[k] for k in prompt if k[1] > 1)
     model = sum(spent.values())
     print(f"{folder}: {len(prompts) * new} tokens in {wall:.2f} s = {len(prompts) * new / wall:.1f} tok/s")
     print(f"  prompt chunks {sum(calls[k] for k in prompt)} calls {sum(spent[k] for k in prompt):.2f} s; "
-          f"steps {sum(calls[k] for k in steps)} calls {sum(spent[k] for k in steps):.2f} s"
+          f"({wide} of several requests); steps {sum(calls[k] for k in steps)} calls {sum(spent[k] for k in steps):.2f} s"
           + (f" ({rows}-row step {1000 * sum(spent[k] for k in full) / sum(calls[k] for k in full):.1f} ms)"
              if full else "") + f"; other {wall - model:.2f} s")
     for k, v in sorted(spent.items(), key=lambda kv: -kv[1])[:6]:
@@ -82,11 +84,15 @@ def main(argv=None) -> int:
     ap.add_argument("engines", type=Path, nargs="+")
     ap.add_argument("--rows", type=int, default=24, help="requests, all submitted together, on as many rows")
     ap.add_argument("--new", type=int, default=128, help="tokens each request generates (through its EOS)")
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="prompt tokens a step may prefill (as `specrt serve --prefill-budget`; default: one chunk)")
+    ap.add_argument("--rounds", type=int, default=1, help="the folders in turn, this many times (interleaved)")
     a = ap.parse_args(argv)
     ids, _, _ = concurrency.requests(argparse.Namespace(prompts=12, prompt_file=None))
     prompts = (ids * (a.rows // len(ids) + 1))[:a.rows]
-    for folder in a.engines:
-        split(folder, a.rows, a.new, prompts)
+    for _ in range(a.rounds):
+        for folder in a.engines:
+            split(folder, a.rows, a.new, prompts, a.prefill_budget)
     return 0
 
 

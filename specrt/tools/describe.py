@@ -221,6 +221,13 @@ def describe(man: mf.Manifest) -> str:
                          f"  chunks   prompt chunks of {small} tokens always ({big} tokens give other numbers: "
                          f"max |delta logit| {ci.get('max_abs_logit_delta', '?')})" if ci.get("equal") is False else
                          f"  chunks   prompt chunks of {small} tokens always ({ci.get('why', 'not checked')})")
+        pr = (m.parity or {}).get("prompt_rows") if isinstance(m.parity, dict) else None
+        if role == "batch" and isinstance(pr, dict):
+            lines.append("  prompts  requests admitted together share prompt calls (the same bits as each alone)"
+                         if pr.get("equal") is True else
+                         f"  prompts  one request a prompt call (several give other numbers: max |delta logit| "
+                         f"{pr.get('max_abs_logit_delta', '?')})" if pr.get("equal") is False else
+                         f"  prompts  one request a prompt call ({pr.get('why', 'not checked')})")
         dg = m.source.get("draft_graph")
         if isinstance(dg, dict):      # the int8 self-draft inside a batch
             agree = (m.parity or {}).get("draft_agreement") if isinstance(m.parity, dict) else None

@@ -28,7 +28,8 @@ slower than it is. Retime where the folder serves, when it is quiet.
 - A batched model's prompt chunks are checked again (`models.batch.parity.chunk_invariance`,
   builder/gates/chunks.py): whether a request alone may prefill in larger chunks with the same
   bits on this machine's kernels; the folder takes them only where every machine in
-  `device.gated_on` gave the same bits. Folders built before that check get it here.
+  `device.gated_on` gave the same bits. Folders built before that check get it here. So are
+  prompts of several requests in one call (`models.batch.parity.prompt_rows`, the same rule).
 """
 from __future__ import annotations
 
@@ -76,14 +77,15 @@ def retime(engines: str | Path, *, out: Callable[[str], None] = print, gates_onl
         build = {**man.build, "speculation": spec, **kernels}
     models, gated = dict(man.models), _gated_on(man, record)
     if man.batch is not None:
-        models["batch"] = dataclasses.replace(man.batch, parity={**man.batch.parity, "chunk_invariance": _chunks(
-            root, man, prompts, record, gated, out)})
+        models["batch"] = dataclasses.replace(man.batch, parity={
+            **man.batch.parity, "chunk_invariance": _chunks(root, man, prompts, record, gated, out),
+            "prompt_rows": _prompt_rows(root, man, prompts, record, gated, out)})
     device = {**man.device, **({"gated_on": gated} if gated is not None else {})}
     dataclasses.replace(man, build=build, models=models, device=device).save(root)
     if not gates_only:
         out(f"retime: {summary(spec['retimed']['previous'])} -> {summary(spec)}")
     fields = ([] if gates_only else ["build.speculation", "build.kernels"]) + \
-        (["models.batch.parity.chunk_invariance"] if man.batch is not None else []) + \
+        (["models.batch.parity.chunk_invariance", "models.batch.parity.prompt_rows"] if man.batch is not None else []) + \
         (["device.gated_on: the gates hold on this machine's kernels"] if gated is not None else [])
     out(f"retime: written to {root / mf.FILENAME} ({', '.join(fields)}"
         + ("; the costs and the kernel table kept)" if gates_only else ")"))
@@ -127,7 +129,23 @@ def _chunks(root: Path, man: mf.Manifest, prompts, record: dict, gated: list | N
     from specrt.builder.gates import chunks
     out("retime: prompt chunks of a request alone (the same bits in larger chunks?)")
     rec = chunks.measure(root, man.batch, man.shapes, prompts)
-    old = man.batch.parity.get("chunk_invariance") or {}
+    return _everywhere(rec, man.batch.parity.get("chunk_invariance"), record, gated)
+
+
+def _prompt_rows(root: Path, man: mf.Manifest, prompts, record: dict, gated: list | None,
+                 out: Callable[[str], None]) -> dict:
+    """models.batch.parity.prompt_rows: whether requests admitted together may share prompt
+    calls (builder/gates/chunks.py prompt_rows), as _chunks decides."""
+    from specrt.builder.gates import chunks
+    out("retime: prompts of several requests in one call (the same bits as each alone?)")
+    rec = chunks.prompt_rows(root, man.batch, man.shapes, prompts)
+    return _everywhere(rec, man.batch.parity.get("prompt_rows"), record, gated)
+
+
+def _everywhere(rec: dict, old: dict | None, record: dict, gated: list | None) -> dict:
+    """A setting's record measured here, equal only where the machines it was measured on
+    before (device.gated_on's other kernels) gave the same bits too."""
+    old = old if isinstance(old, dict) else {}
     others = [g for g in gated or [] if g.get("kernels") != record.get("kernels")]
     if others and rec.get("equal") and not old.get("equal"):
         rec = {**rec, "equal": old.get("equal"), "equal_here": True,

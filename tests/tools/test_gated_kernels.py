@@ -171,18 +171,23 @@ def test_the_larger_prompt_chunk_only_where_every_gated_machine_gave_the_same_bi
     """The build's machine said the larger chunk rounds apart (edited here, as a machine whose
     kernels do would record it); these kernels give the same bits: the folder, which serves on
     both, keeps the build's chunk, and says so."""
-    from specrt.runtime.backends.batch_calls import lone_prefill_tokens
+    from specrt.runtime.backends.batch_calls import lone_prefill_tokens, prompt_rows
     eng = copy_engines(tiny_batch_rows_engines, tmp_path)
-    edit_manifest(eng, lambda raw: raw["models"]["batch"]["parity"]["chunk_invariance"].update(equal=False))
+
+    def unequal(raw):
+        for gate in ("chunk_invariance", "prompt_rows"):        # (prompts of several requests a call: the same rule)
+            raw["models"]["batch"]["parity"][gate].update(equal=False)
+    edit_manifest(eng, unequal)
     retime(eng, out=_quiet)
     man = mf.load(eng)
-    rec = man.batch.parity["chunk_invariance"]
-    assert rec["equal"] is False and rec["equal_here"] is True
-    assert lone_prefill_tokens(man.batch, man.shapes) == man.shapes.prefill_chunk
+    for gate in ("chunk_invariance", "prompt_rows"):
+        rec = man.batch.parity[gate]
+        assert rec["equal"] is False and rec["equal_here"] is True
+    assert lone_prefill_tokens(man.batch, man.shapes) == man.shapes.prefill_chunk and prompt_rows(man.batch) == 1
     # gated on these kernels alone (the build's record dropped): these kernels' verdict
     edit_manifest(eng, lambda raw: raw["device"].update(gated_on=raw["device"]["gated_on"][1:]))
     retime(eng, out=_quiet)
     man = mf.load(eng)
-    assert man.batch.parity["chunk_invariance"]["equal"] is True
-    assert lone_prefill_tokens(man.batch, man.shapes) == 4 * man.shapes.prefill_chunk
+    assert man.batch.parity["chunk_invariance"]["equal"] is True and man.batch.parity["prompt_rows"]["equal"] is True
+    assert lone_prefill_tokens(man.batch, man.shapes) == 4 * man.shapes.prefill_chunk and prompt_rows(man.batch) > 1
     assert json.loads((eng / "manifest.json").read_text())["device"]["gated_on"][0]["kernels"] == OTHER

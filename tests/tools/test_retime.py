@@ -91,22 +91,27 @@ def test_a_gpu_folder_is_refused_naming_where_its_costs_come_from(tiny_batch_row
 
 def test_retime_gives_a_folder_built_before_the_chunk_check_its_record(tiny_batch_rows_engines, tmp_path, capsys):
     """A folder built before builder/gates/chunks.py existed has no chunk_invariance, so a request
-    alone prefills in the folder's chunks; retime measures it where the folder serves."""
-    from specrt.runtime.backends.batch_calls import lone_prefill_tokens
+    alone prefills in the folder's chunks; retime measures it where the folder serves. So with
+    prompts of several requests in one call (prompt_rows)."""
+    from specrt.runtime.backends.batch_calls import lone_prefill_tokens, prompt_rows
     eng = copy_engines(tiny_batch_rows_engines, tmp_path)
-    built = mf.load(eng).batch.parity["chunk_invariance"]
+    built = mf.load(eng).batch.parity
 
     def drop(raw):
         del raw["models"]["batch"]["parity"]["chunk_invariance"]
+        del raw["models"]["batch"]["parity"]["prompt_rows"]
 
     edit_manifest(eng, drop)
     man = mf.load(eng)
-    assert lone_prefill_tokens(man.batch, man.shapes) == man.shapes.prefill_chunk
+    assert lone_prefill_tokens(man.batch, man.shapes) == man.shapes.prefill_chunk and prompt_rows(man.batch) == 1
     before_files = _files(eng)
     assert main(["retime", str(eng)]) == 0
-    assert "models.batch.parity.chunk_invariance" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "models.batch.parity.chunk_invariance" in said and "models.batch.parity.prompt_rows" in said
     man = mf.load(eng)
-    assert man.batch.parity["chunk_invariance"] == built          # the build's verdict, measured again
+    for gate in ("chunk_invariance", "prompt_rows"):
+        assert man.batch.parity[gate] == built[gate]              # the build's verdict, measured again
     assert lone_prefill_tokens(man.batch, man.shapes) == 4 * man.shapes.prefill_chunk
+    assert prompt_rows(man.batch) > 1
     assert _files(eng) == before_files
 

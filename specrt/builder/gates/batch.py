@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.builder.gates.chunks import chunk_invariance, fp32_agreement, prompt_invariance, refuse_prompt_graph
+from specrt.builder.gates.chunks import (chunk_invariance, fp32_agreement, prompt_invariance, prompt_rows_gate,
+                                         refuse_prompt_graph)
 from specrt.errors import ConfigError, ParityError
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     part["parity"] = {"batch_invariance": inv,
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
                       "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts),
-                      "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts)}
+                      "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts),
+                      "prompt_rows": prompt_rows_gate(tmp, part, shapes, prompts)}
     if prefill_att:     # a prompt graph of its own attention: gated before anything else reads it
         part["parity"]["prompt_invariance"] = prompt_invariance(tmp, part, shapes, prompts)
         part["parity"]["prompt_agreement_fp32"] = agreement_fp32

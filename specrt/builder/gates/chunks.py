@@ -33,6 +33,20 @@ Before quantization, `prompt_agreement` checks that such a graph computes what t
 computes: one prompt through each fp32 graph, the last logits and every K/V within fp32
 rounding of each other (another kernel, the same arithmetic: a rotary or window convention
 apart would be O(1) off, and decode steps read what the prompt graph wrote).
+
+Prompts of several requests in one call (runtime/batch/admission.py _prefill_group: requests
+admitted together, their chunks padded to the longest) are lossless only if a row's prompt
+gives the same bits among others as alone: per-row activation scales, a kernel that sums a row
+the same way whatever the rows beside it, padding that no real position reads. `prompt_rows`
+measures it: GROUP prompts of different lengths (a short one, one ending in a one-token chunk,
+one chunk exactly, several chunks; an odd number of rows, which a model that pads odd calls
+pads) fed together as the engine feeds them (each call as many tokens of every row as the
+shortest has left, at most a chunk), once into a fresh model and once beside a row
+that holds a long prompt (the cache bound that much longer), each row's last logits and K/V
+against the same prompt alone, bit for bit. The engine puts several prompts in one call only
+where this says equal (runtime/backends/batch_calls.py prompt_rows); a prompt graph that runs
+one row a call (GroupQueryAttention: ONNX Runtime refuses several rows of several tokens over a
+filled cache) or has a static T is recorded as not checked, and keeps one row a call.
 """
 from __future__ import annotations
 
@@ -45,6 +59,7 @@ from specrt.errors import ParityError
 
 log = logging.getLogger(__name__)
 LONE_CHUNKS = 4        # the larger chunk: this many of the folder's
+GROUP = 5              # prompts in one call in the prompt_rows gate (odd: a model that pads odd calls pads it)
 
 
 def chunk_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
@@ -124,6 +139,81 @@ def prompt_invariance(tmp: Path, part: dict, shapes, prompts) -> dict:
              "logits %.3g, K/V %.3g)", n, lengths, "the same bits" if equal else "other numbers", logit_delta, kv_delta)
     return {"equal": equal, "tokens": n, "rows": [0, 2, 1], "lengths": lengths,
             "max_abs_logit_delta": logit_delta, "max_abs_kv_delta": kv_delta}
+
+
+def prompt_rows_gate(tmp: Path, part: dict, shapes, prompts) -> dict:
+    """prompt_rows at build time, over the batched model's part in the build's folder."""
+    from specrt.builder.manifest_writer import model_entry
+    return prompt_rows(tmp, model_entry("batch", part, "batch"), shapes, prompts)
+
+
+def prompt_rows(root: Path, entry, shapes, prompts) -> dict:
+    """Prompts of several requests in one call against each alone (module docstring): {"equal",
+    "rows", "lengths", "max_abs_logit_delta", "max_abs_kv_delta"}; equal None (with "why") where
+    the prompt graph runs one row a call, has a static T, or the context is too short. Also
+    `specrt retime`'s, over a built folder's models.batch."""
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
+    prompt_graph = "prefill" if "prefill" in graphs else "step"
+    C, M = shapes.prefill_chunk, shapes.max_context
+    lengths = sorted({2, C // 2 + 1, C, C + 1, 2 * C + 3})[:GROUP]
+    record = {"rows": len(lengths), "lengths": lengths}
+    if OrtBatchModel._attention(root, entry, (prompt_graph,)) == "gqa":
+        return {**record, "equal": None, "why": "the prompt graph attends with GroupQueryAttention: one row a call"}
+    if not getattr(entry.graphs[prompt_graph], "dynamic_tokens", False):
+        return {**record, "equal": None, "why": "the prompt graph takes a static number of tokens"}
+    ids = [int(t) for p in prompts for t in p]
+    far = M - 2                                     # the row beside them: a prompt near the maximum context
+    if not ids or lengths[-1] >= M:
+        return {**record, "equal": None, "why": "no calibration prompt" if not ids else f"max_context {M} is too short"}
+    ids = ids * ((far + sum(lengths)) // len(ids) + 2)
+    group = [ids[7 * i + 1:7 * i + 1 + n] for i, n in enumerate(lengths)]     # different prompts
+    other = ids[:far]
+
+    def model(rows):
+        return OrtBatchModel(root, entry, shapes, rows=rows, threads=2, graphs=graphs)
+
+    alone = model(1)
+    ref = [_feed(alone, 0, p, C) for p in group]
+    fresh, beside = model(len(group)), model(len(group) + 1)
+    runs = [_feed_group(fresh, 0, group, C)]
+    _feed(beside, 0, other, C)
+    runs.append(_feed_group(beside, 1, group, C))
+    logit_delta = max(float(np.max(np.abs(a[0] - b[0]))) for r in runs for a, b in zip(ref, r))
+    kv_delta = max(float(np.max(np.abs(x - y))) for r in runs for a, b in zip(ref, r) for x, y in zip(a[1], b[1]))
+    equal = all(np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
+                for r in runs for a, b in zip(ref, r))
+    log.info("prompts of %d requests (%s tokens) in one call, alone and beside a %d-token row: %s (max |delta| "
+             "logits %.3g, K/V %.3g)", len(group), lengths, far,
+             "the same bits as each alone" if equal else "other numbers: one row a call", logit_delta, kv_delta)
+    return {**record, "equal": equal, "max_abs_logit_delta": logit_delta, "max_abs_kv_delta": kv_delta}
+
+
+def _feed_group(model, first_row: int, prompts: list[list[int]], C: int) -> list:
+    """`prompts` (shortest first) into cache rows first_row.. together, as the engine feeds
+    requests admitted together (runtime/batch/admission.py _prefill_group: one call a chunk, the
+    rows whose prompt ended leaving the front of the group); each one's last logits and K/V."""
+    from specrt.runtime.backends.batch_calls import prompt_call
+    P = max(model.min_rows, 1)
+    fed, lasts = [0] * len(prompts), [None] * len(prompts)
+    while fed[-1] < len(prompts[-1]):
+        act = [i for i, p in enumerate(prompts) if fed[i] < len(p)]
+        T = min(C, min(len(prompts[i]) - fed[i] for i in act))
+        chunks = [prompts[i][fed[i]:fed[i] + T] for i in act]
+        T, lows = prompt_call([len(c) for c in chunks], P, 1, model.min_rows)
+        toks = np.zeros((len(act), T), np.int64)
+        pos = np.zeros((len(act), P), np.int64)
+        for j, c in enumerate(chunks):
+            toks[j, :len(c)] = c
+            pos[j] = np.arange(P) + lows[j]
+        out = model.step("prefill", toks, np.array([fed[i] for i in act], np.int64), first_row + act[0], pos,
+                         pad_start=0)
+        for j, (i, c) in enumerate(zip(act, chunks)):
+            fed[i] += len(c)
+            if fed[i] == len(prompts[i]):
+                lasts[i] = out[j, len(c) - 1 - lows[j]].copy()
+    return [(lasts[i], [a[first_row + i, :, :len(p)].copy() for a in model.cache.keys + model.cache.values])
+            for i, p in enumerate(prompts)]
 
 
 AGREE_LOGIT, AGREE_KV = 1e-2, 1e-4      # fp32 graphs: max |delta logit|, max relative K/V error (norms)

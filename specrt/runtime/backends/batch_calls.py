@@ -24,6 +24,17 @@ def padded_call(n: int, T: int, P: int, row_multiple: int) -> tuple[int, int, in
     return n, T, P
 
 
+def prompt_call(lengths: list[int], P: int, min_tokens: int, min_rows: int) -> tuple[int, list[int]]:
+    """(T, each row's first logit position) of one prompt call whose rows carry chunks of
+    `lengths` tokens (runtime/batch/admission.py _prefill_group; the build's gate,
+    builder/gates/chunks.py prompt_rows, makes its calls with it): the longest chunk, at least
+    min_tokens, P (each row's logits at P positions ending at its last token) and enough for
+    min_rows activation rows; shorter chunks are padded at their end."""
+    n = len(lengths)
+    T = max(max(lengths), min_tokens, P, -(-min_rows // n))
+    return T, [max(c - P, 0) for c in lengths]
+
+
 def lone_prefill_tokens(entry: ModelEntry, shapes: Shapes) -> int:
     """The prompt chunk of a request alone in the engine (no row decoding beside it): the larger
     chunk the build showed gives the same bits as the folder's own (parity.chunk_invariance,
@@ -45,3 +56,31 @@ def lone_prefill_tokens(entry: ModelEntry, shapes: Shapes) -> int:
     if rec.get("equal") is not True or chunks[0] != shapes.prefill_chunk:
         return shapes.prefill_chunk
     return max(chunks[1], shapes.prefill_chunk)
+
+
+def prompt_rows(entry: ModelEntry) -> int:
+    """The most requests whose prompt chunks may share one call (runtime/batch/admission.py
+    _prefill_group): any number where the build showed a row's prompt gives the same bits among
+    others as alone (parity.prompt_rows, builder/gates/chunks.py), else 1 (one row a call:
+    folders built before the gate, a GroupQueryAttention prompt graph, other numbers).
+    SPECRT_PROMPT_ROWS=N caps it (1: one row a call; a call of more rows holds more working
+    memory)."""
+    v = os.environ.get("SPECRT_PROMPT_ROWS", "").strip()
+    cap = None
+    if v:
+        try:
+            cap = int(v)
+        except ValueError:
+            cap = 0
+        if cap < 1:
+            raise ConfigError(f"SPECRT_PROMPT_ROWS={v!r}: expected a positive number of requests whose prompt chunks "
+                              "may share one call (1: one a call)")
+    rec = (entry.parity or {}).get("prompt_rows")
+    if rec is None:
+        return 1
+    if not isinstance(rec, dict) or rec.get("equal") not in (True, False, None):
+        raise ManifestError(f"models.{entry.role}.parity.prompt_rows={rec!r}: the manifest was edited; "
+                            "rebuild the engines with `specrt build ... --batch`")
+    if rec["equal"] is not True:
+        return 1
+    return cap or 1 << 16

@@ -4,8 +4,21 @@ takes the free cache row after the running ones (`_admit`); its prompt runs one 
 one row alone in the call (`_prefill_chunk`: a request's prompt is computed the same way
 whatever else is in the batch), and after its last chunk it gets its first token
 (`_first_token`) and its samples (n > 1) are copies of its row (`_fork`). Split from engine.py
-for length only: the methods read the engine's state (rows, pending, waiting, models, buffers)
-as before."""
+for length only: the methods read the engine's state (rows, admitting, waiting, models,
+buffers) as before.
+
+Prompts of several requests in one call (`_prefill_group`), where the folder's build showed
+that a row's prompt gives the same bits among others as alone (parity.prompt_rows,
+builder/gates/chunks.py prompt_rows; the engine's prompt_rows > 1): the waiting requests
+admitted together (oldest first, none with samples to fork) take the free rows after the
+running ones, shortest prompt first, and each call carries the same number of tokens of every
+one of them: the folder's chunk, or what is left of the shortest prompt if less. No row is
+padded (padding chunks of 38-64 tokens to the longest cost more than the call saved: a first
+form, measured), all start at position 0 and advance together, and the ones whose prompt ends
+in a call are the first rows of the group: they join the running rows where they are, no K/V
+moves; the last one left goes on alone. One call of 8 rows x 48 tokens costs x0.85 of 8 calls
+of one row (SmolLM2 int8row, AVX2, docs/benchmarks.md), the same bits.
+"""
 from __future__ import annotations
 
 import collections
@@ -14,6 +27,7 @@ import logging
 import numpy as np
 
 from specrt.runtime import nvtx_ranges as trace
+from specrt.runtime.backends.batch_calls import prompt_call
 from specrt.runtime.batch.request import Done, Request, Row
 from specrt.runtime.grammar import GrammarError
 
@@ -50,25 +64,44 @@ class Admission:
                 else:
                     kept.append(req)
             self.waiting = kept
-        for row in self.rows + ([self.pending] if self.pending else []):
+        for row in self.rows + self.admitting:
             reason = why(row.req)
             if reason and row.finish is None:
                 row.finish = reason
 
     def _admit(self) -> None:
-        if self.pending is not None or len(self.rows) >= self.max_num_seqs:
+        if self.admitting or len(self.rows) >= self.max_num_seqs:
             return
         with self._lock:
             # a request with siblings waits until a row is free for each of them (oldest first)
             if not self.waiting or len(self.rows) + 1 + len(self.waiting[0].siblings) > self.max_num_seqs:
                 return
-            req = self.waiting.popleft()
-        budget = min(req.max_new_tokens, self.max_context - len(req.prompt))
-        self.pending = Row(req, budget, self.tokenizer, self.policy.row_accept(), self.k_max)
+            group = [self.waiting.popleft()]
+            while self._joins(group):
+                group.append(self.waiting.popleft())
+        group.sort(key=lambda req: len(req.prompt))     # (stable: equal lengths keep their order)
+        self.admitting = [Row(req, min(req.max_new_tokens, self.max_context - len(req.prompt)), self.tokenizer,
+                              self.policy.row_accept(), self.k_max) for req in group]
+
+    def _joins(self, group: list[Request]) -> bool:
+        """Does the next waiting request share the prompt calls of `group` (module docstring)?
+        A free row for it, none of them with samples to fork, and the group's first call
+        (rows x its shortest prompt, at most a chunk) within what one prompt call may carry: the
+        step's prefill_budget, else a chunk (a request alone's larger one when no row runs)."""
+        if len(group) >= self.prompt_rows or not self.waiting or group[0].siblings or self.waiting[0].siblings \
+                or len(self.rows) + len(group) >= self.max_num_seqs:
+            return False
+        if self._own_draft and getattr(self.draft, "multi_token_rows", None) == 1:
+            return False        # a draft model of its own that prefills one row a call (GroupQueryAttention)
+        carry = self.prefill_budget or (self.prefill_tokens if self.rows else self.lone_prefill_tokens)
+        shortest = min(len(self.waiting[0].prompt), *(len(req.prompt) for req in group))
+        return (len(group) + 1) * min(shortest, self.prefill_tokens) <= carry
 
     def _prefill_chunk(self) -> int:
-        """One chunk of the pending row's prompt; returns its tokens."""
-        row, slot = self.pending, len(self.rows)
+        """One chunk of the admitted rows' prompts; returns its tokens."""
+        if len(self.admitting) > 1:
+            return self._prefill_group()
+        row, slot = self.admitting[0], len(self.rows)
         # a request alone: the larger chunk (the same bits, builder/gates/chunks.py), as nothing
         # waits on this step; beside running rows the folder's chunk bounds their wait
         alone = not self.rows and not self._own_draft
@@ -83,7 +116,7 @@ class Admission:
         self._starts[0] = row.length
         # logits of the chunk's last token only (the LM head is a fifth of a chunk's cost), over
         # at least min_rows positions; the row is alone in the call, so they depend on its prompt only
-        positions = self._positions
+        positions = self._positions[:1]
         lo = max(len(chunk) - positions.shape[1], 0)
         np.add(self._offsets, lo, out=positions[0])
         # (a padding row, where the model pads odd calls, goes after the pending row: free)
@@ -101,7 +134,7 @@ class Admission:
         self.stats.prefill_chunks += 1
         if not row.prefilled:
             return len(chunk)
-        self.pending = None
+        self.admitting = []
         self.rows.append(row)
         last = logits[0, len(chunk) - 1 - lo][None]
         # its samples still to fork: fail_all tells them too if this step fails before they are rows
@@ -110,6 +143,45 @@ class Admission:
         while self._unforked:
             self._fork(row, slot, last)
         return len(chunk)
+
+    def _prefill_group(self) -> int:
+        """The next chunk of every admitted row's prompt, in one call (module docstring);
+        returns their tokens. The rows whose prompt ends here join the running rows."""
+        group, slot = self.admitting, len(self.rows)
+        n = len(group)
+        C = min(self.prefill_tokens, min(len(row.req.prompt) - row.length for row in group))
+        chunks = [row.req.prompt[row.length:row.length + C] for row in group]
+        P = self._positions.shape[1]
+        T, lows = prompt_call([len(c) for c in chunks], P, self.min_tokens, self.target.min_rows)
+        toks, starts, positions = self._tokens[:n, :T], self._starts[:n], self._positions[:n]
+        toks.fill(0)
+        for i, (row, chunk) in enumerate(zip(group, chunks)):
+            toks[i, :len(chunk)] = chunk
+            starts[i] = row.length
+            np.add(self._offsets, lows[i], out=positions[i])
+        trace.push("prefill")
+        # (a padding row, where the model pads odd calls, goes after the group's rows: a free row)
+        logits = self.target.step("prefill", toks, starts, slot, positions, pad_start=0)
+        trace.pop()
+        if self.head is not None:
+            for i, (row, chunk) in enumerate(zip(group, chunks)):
+                row.feats.append(self.target.hidden[i, :len(chunk)].copy())
+        if self._own_draft:
+            self._feed_draft(slot, chunks, [row.length for row in group], "prefill", pad=0)
+            for row, chunk in zip(group, chunks):
+                row.draft_len = row.length + len(chunk)
+        for row, chunk in zip(group, chunks):
+            row.length += len(chunk)
+        self.stats.prefill_chunks += 1
+        done = sum(row.prefilled for row in group)
+        if not all(row.prefilled for row in group[:done]):
+            raise AssertionError("the rows whose prompt ended are not the group's first: admission sorts them")
+        lasts = [logits[i, len(chunks[i]) - 1 - lows[i]].copy() for i in range(done)]
+        self.admitting = group[done:]
+        for row, last in zip(group[:done], lasts):
+            self.rows.append(row)
+            self._first_token(row, last[None])
+        return sum(len(c) for c in chunks)
 
     def _fork(self, row: Row, slot: int, last: np.ndarray) -> None:
         """The next sample in `_unforked` of row's prompt, just prefilled in cache row `slot`: the

@@ -4,15 +4,18 @@ Each call to `step()`:
 
     1. drop requests that were cancelled or passed their deadline (waiting or running)
     2. admit the oldest waiting request into the free cache row after the running ones,
-       if a row is free and no other prompt is being prefilled
+       if a row is free and no other prompt is being prefilled; where the folder's prompt graph
+       gives a row the same bits among others (the build's gate, parity.prompt_rows), the
+       next waiting requests join it, up to what one prompt call may carry
     3. one round for every running row: plain, pair, lookup or draft, chosen for the batch
        by measured cost (policy.py); each row keeps its own agreeing prefix and its own
        length, and emits the target's choices (runtime/choice.py), so its tokens do not depend on
        what else is in the batch
     4. one prefill chunk of the admitted request (so a running stream waits for at most
-       one chunk per step); after its last chunk it gets its first token and runs. With a
-       prefill_budget, chunks (of this request, then of the next ones admitted in turn) go on
-       until the step has prefilled that many prompt tokens
+       one chunk per step), or of each admitted request in one call; after its last chunk a
+       request gets its first token and runs. With a prefill_budget, chunks (of these requests,
+       then of the next ones admitted in turn) go on until the step has prefilled that many
+       prompt tokens
     5. rows that finished (EOS, a stop string, max_new_tokens, the maximum context) leave;
        the last running row moves into the gap so rows stay contiguous (model.py)
 
@@ -76,7 +79,7 @@ class BatchEngine(Admission, DraftRounds):
                  k_max: int, vocab: int, policy: BatchPolicy, tokenizer=None, eos=frozenset(),
                  draft: BatchModel | None = None, clock=time.monotonic, min_tokens: int = 1,
                  prefill_budget: int | None = None, head=None, live_costs: bool | None = None,
-                 lone_prefill_tokens: int | None = None):
+                 lone_prefill_tokens: int | None = None, prompt_rows: int = 1):
         """tokenizer: gives text and stop strings (None: tokens only, EOS from `eos`).
         min_tokens: tokens a row of every target pass (a plain step is padded): 2 where the
         one-token kernels round differently from the windows a speculating batch verifies
@@ -95,7 +98,12 @@ class BatchEngine(Admission, DraftRounds):
         lone_prefill_tokens: the prompt chunk of a request alone (no row running beside it, the
         model's prompt graph taking any T): a larger one the build showed gives the same bits
         (backends/batch_calls.py; None: prefill_tokens). Beside running rows, and with a
-        draft model of its own (whose buffers hold prefill_tokens), chunks stay prefill_tokens."""
+        draft model of its own (whose buffers hold prefill_tokens), chunks stay prefill_tokens.
+        prompt_rows: the most requests whose prompt chunks share one call (admission.py
+        _prefill_group), where the build showed a row's prompt gives the same bits among others
+        (backends/batch_calls.py prompt_rows; 1: one row a call, a graph of static T always).
+        Their padded tokens stay within what one prompt call may carry (prefill_budget, else the
+        chunk, or a request alone's larger chunk when no row runs)."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be in [1, {rows}] (the model's rows)")
@@ -112,12 +120,15 @@ class BatchEngine(Admission, DraftRounds):
                                            or prefill_budget < 1):
             raise ValueError(f"prefill_budget={prefill_budget!r} must be a positive number of tokens")
         self.prefill_budget = prefill_budget
+        if type(prompt_rows) is not int or prompt_rows < 1:
+            raise ValueError(f"prompt_rows={prompt_rows!r} must be a positive number of rows")
+        self.prompt_rows = 1 if target.graph_tokens.get("prefill", 0) else min(prompt_rows, max_num_seqs)
         self.closing = False        # set by the owner's close(): every request held is cancelled at the next step
         self.tokenizer, self.clock, self.min_tokens = tokenizer, clock, min_tokens
         self.live_costs = live_costs_default() if live_costs is None else bool(live_costs)
         self.eos = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset(eos)
         self.rows: list[Row] = []           # running, in cache rows 0..n-1
-        self.pending: Row | None = None     # being prefilled, in cache row len(self.rows)
+        self.admitting: list[Row] = []      # being prefilled, in cache rows len(self.rows).., shortest prompt first
         self.waiting: collections.deque[Request] = collections.deque()
         self.stats = EngineStats()
         self._lock = threading.Lock()
@@ -138,7 +149,7 @@ class BatchEngine(Admission, DraftRounds):
             self._dtokens = np.zeros((max_num_seqs, Td), np.int64)
             self._dpos = np.zeros((max_num_seqs, max(draft.min_rows, 1)), np.int64)
             self._doffsets = np.arange(max(draft.min_rows, 1), dtype=np.int64)
-        self._positions, self._offsets = np.zeros((1, P), np.int64), np.arange(P, dtype=np.int64)
+        self._positions, self._offsets = np.zeros((max_num_seqs, P), np.int64), np.arange(P, dtype=np.int64)
 
     # --- any thread -----------------------------------------------------------------------
     def add(self, req: Request, max_waiting: int | None = None) -> bool:
@@ -155,11 +166,16 @@ class BatchEngine(Admission, DraftRounds):
         return len(self.waiting)
 
     @property
+    def pending(self) -> Row | None:
+        """The first request being prefilled (in cache row len(rows)), if any."""
+        return self.admitting[0] if self.admitting else None
+
+    @property
     def active(self) -> int:
-        return len(self.rows) + (self.pending is not None)
+        return len(self.rows) + len(self.admitting)
 
     def idle(self) -> bool:
-        return not self.rows and self.pending is None and not self.waiting
+        return not self.rows and not self.admitting and not self.waiting
 
     # --- the engine thread ------------------------------------------------------------------
     def step(self) -> bool:
@@ -171,17 +187,17 @@ class BatchEngine(Admission, DraftRounds):
         if self.rows:
             self._round()
             did = True
-        if self.pending is not None and self.pending.finish is not None:
+        if any(r.finish is not None for r in self.admitting):
             did = True                     # cancelled before its prefill: it leaves in _evict below
         spent = 0
-        while self.pending is not None and self.pending.finish is None:
-            if spent and self.pending.req.cancelled.is_set():
+        while self.admitting and all(r.finish is None for r in self.admitting):
+            if spent and any(r.req.cancelled.is_set() for r in self.admitting):
                 break                      # cancelled since the step began: the next step drops it
             spent += self._prefill_chunk()
             did = True
             if self.prefill_budget is None or spent >= self.prefill_budget:
                 break
-            if self.pending is None:       # it joined the rows: the next waiting request, if a row is free
+            if not self.admitting:         # they joined the rows: the next waiting requests, if rows are free
                 self._admit()
         self._evict()
         return did
@@ -211,10 +227,10 @@ class BatchEngine(Admission, DraftRounds):
     def fail_all(self, error: Exception) -> None:
         """Fail every request (the model raised): the engine cannot go on safely."""
         with self._lock:
-            queued = ([self.pending.req] if self.pending else []) + list(self.waiting)
+            queued = [r.req for r in self.admitting] + list(self.waiting)
             reqs = [r.req for r in self.rows] + [r for q in queued for r in (q, *q.siblings)] + self._unforked
             self._unforked = []
-            self.rows, self.pending = [], None
+            self.rows, self.admitting = [], []
             self.waiting.clear()
             self._free_rows()
         for req in reqs:
@@ -370,8 +386,8 @@ class BatchEngine(Admission, DraftRounds):
                                tuple(lps) if row.req.logprobs is not None else None))
 
     def _evict(self) -> None:
-        """Finished rows leave; the last running row moves into each gap, and the row being
-        prefilled (after the running ones) moves down with them."""
+        """Finished rows leave; the last running row moves into each gap, and the rows being
+        prefilled (after the running ones) move down with them, in their order."""
         i = 0
         while i < len(self.rows):
             row = self.rows[i]
@@ -386,18 +402,26 @@ class BatchEngine(Admission, DraftRounds):
             self._finish(row)
             if i != last:
                 self._move(last, i, moved)
-            if self.pending is not None:       # keep it right after the running rows
-                self._move(last + 1, last, self.pending)
-        if self.pending is not None and self.pending.finish is not None:
-            row, self.pending = self.pending, None
-            self._finish(row)
+            for j, p in enumerate(self.admitting):      # keep them right after the running rows
+                self._move(last + 1 + j, last + j, p)
+        if any(p.finish is not None for p in self.admitting):
+            # those cancelled before their prompt ran out leave; the others close up, in order
+            was, base = self.admitting, len(self.rows)
+            self.admitting = [p for p in was if p.finish is None]      # (told first, as above)
+            for p in was:
+                if p.finish is not None:
+                    self._finish(p)
+            for dst, p in enumerate(self.admitting):
+                src = was.index(p)
+                if src != dst:
+                    self._move(base + src, base + dst, p)
         self._free_rows()
 
     def _free_rows(self) -> None:
         """Tell the caches which rows hold no request now: the running rows and the one being
         prefilled are rows 0..live-1 (a growing cache, runtime/backends/batch_kv.py BatchKV,
         then keeps only the positions those hold)."""
-        live = len(self.rows) + (self.pending is not None)
+        live = len(self.rows) + len(self.admitting)
         self.target.cache.forget(live)
         if self.draft is not None and not self.draft.shares_cache:
             self.draft.cache.forget(live)

@@ -83,12 +83,13 @@ def batch_engine(engines, *, max_num_seqs: int = 8, threads: int = 2, verify: st
     tok = Tokenizer(root, man.tokenizer)
     grammars = grammars_for((root / man.tokenizer["file"]).read_text(encoding="utf-8"),
                             tuple(sorted(tok.eos_token_ids)), int(entry.dims["vocab"]))
-    from specrt.runtime.backends.batch_calls import lone_prefill_tokens
+    from specrt.runtime.backends.batch_calls import lone_prefill_tokens, prompt_rows
     engine = BatchEngine(model, max_num_seqs=max_num_seqs, max_context=man.shapes.max_context,
                          prefill_tokens=man.shapes.prefill_chunk, k_max=man.shapes.k,
                          vocab=int(entry.dims["vocab"]), policy=policy, tokenizer=tok, min_tokens=min_tokens,
                          draft=draft, head=trained,
-                         lone_prefill_tokens=lone_prefill_tokens(entry, man.shapes) if buckets is None else None)
+                         lone_prefill_tokens=lone_prefill_tokens(entry, man.shapes) if buckets is None else None,
+                         prompt_rows=prompt_rows(entry) if buckets is None else 1)
     engine.grammars = grammars
     return engine, tok
 

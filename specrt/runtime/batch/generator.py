@@ -283,7 +283,7 @@ class BatchGenerator:
         # _admit); the ones seen here are cancelled now, so a step blocked in a sink leaves them
         # cancelled already
         self.engine.closing = True
-        for r in list(self.engine.rows) + ([self.engine.pending] if self.engine.pending else []):
+        for r in list(self.engine.rows) + list(self.engine.admitting):
             r.req.cancel()
         for req in list(self.engine.waiting):
             req.cancel()
@@ -321,7 +321,7 @@ class BatchGenerator:
                 with self._wake:
                     if eng.idle() and not self._closed:
                         self._wake.wait(0.05)        # wake for new requests; deadlines are checked each step
-                    elif not eng.rows and eng.pending is None:
+                    elif not eng.rows and not eng.admitting:
                         time.sleep(0.001)
 
 

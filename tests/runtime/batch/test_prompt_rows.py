@@ -1,0 +1,306 @@
+"""Prompts of several requests in one call (issue 28: many requests at once): requests admitted
+together share each prompt call, shortest prompt first, where the build showed a row's prompt
+gives the same bits among others as alone (parity.prompt_rows, builder/gates/chunks.py).
+
+The scheduling (who joins, what each call carries, rows leaving the group's front, cancelling
+a row in the middle) on the toy model of fake_batch.py, whose rows never influence each other:
+any difference from a request alone is the engine's. The gate and the runtime's reading of it
+on the tiny folders: the rows graphs give the same bits, the "standard" fp32 graph does not
+(a real non-invariant pair: one row a call), GroupQueryAttention prompt graphs are not checked.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from fake_batch import FakeLM, hold_until_added
+
+from specrt import manifest as mf
+from specrt.builder.gates import chunks
+from specrt.errors import ConfigError, ManifestError
+from specrt.runtime.backends.batch_calls import prompt_call, prompt_rows
+from specrt.runtime.batch.engine import BatchEngine
+from specrt.runtime.batch.generator import open_batch
+from specrt.runtime.batch.policy import BatchPolicy
+from specrt.runtime.batch.request import Delta, Done, Request
+from specrt.runtime.choice import choose
+from specrt.runtime.sampling import SamplingParams
+
+V, EOS, C = 16, 15, 4
+GREEDY = SamplingParams()
+
+
+def _engine(prompt_rows=8, *, rows=6, lone=16, budget=None, static=False, min_rows=1, row_multiple=1):
+    spare = int(row_multiple > 1)
+    lm = FakeLM(V, rows + spare, 96, graph_tokens={"prefill": C if static else 0, "decode": 0, "verify": 0},
+                min_rows=min_rows, row_multiple=row_multiple)
+    eng = BatchEngine(lm, max_num_seqs=rows, max_context=80, prefill_tokens=C, k_max=3, vocab=V,
+                      policy=BatchPolicy(None, 3), eos={EOS}, lone_prefill_tokens=lone, prefill_budget=budget,
+                      prompt_rows=prompt_rows)
+    return eng, lm
+
+
+def _reference(lm, prompt, n):
+    seq, out, scratch = list(prompt), [], np.zeros(V, np.float32)
+    for _ in range(n):
+        y = choose(lm.logits(seq), GREEDY, 0, len(seq), scratch)
+        seq.append(y)
+        if y == EOS:
+            break
+        out.append(y)
+    return out
+
+
+def _reference_all(lm, prompt, n):
+    """The request alone with EOS an ordinary token."""
+    seq, scratch = list(prompt), np.zeros(V, np.float32)
+    for _ in range(n):
+        seq.append(choose(lm.logits(seq), GREEDY, 0, len(seq), scratch))
+    return seq[len(prompt):]
+
+
+class Got:
+    def __init__(self):
+        self.tokens, self.done = [], None
+
+    def __call__(self, ev):
+        if isinstance(ev, Delta):
+            self.tokens += ev.tokens
+        elif isinstance(ev, Done):
+            self.done = ev
+
+
+def _submit(eng, prompt, n=6, **kw):
+    g = Got()
+    eng.add(Request(list(prompt), n, GREEDY, 0, sink=g, **kw))
+    return g
+
+
+def _drain(eng, limit=3000):
+    for _ in range(limit):
+        if not eng.step() and eng.idle():
+            return
+    raise AssertionError("the engine did not finish")
+
+
+def _prompt(n, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(0, EOS, n)]
+
+
+def _prefills(lm):
+    return [(n, T, r) for g, n, T, r in lm.calls if g == "prefill"]
+
+
+def test_prompts_admitted_together_share_calls_shortest_first_and_answer_as_alone():
+    eng, lm = _engine()
+    prompts = [_prompt(10, 1), _prompt(3, 2), _prompt(7, 3)]
+    got = [_submit(eng, p) for p in prompts]
+    while eng.admitting or eng.waiting:
+        eng.step()
+    assert not lm.cache.moves, "rows leaving the group's front need no K/V moves"
+    _drain(eng)
+    for p, g in zip(prompts, got):
+        assert g.done is not None and g.tokens == _reference(lm, p, 6)
+    # one group of 3 (3 rows x 3 tokens <= the 16 a call may carry alone), shortest first: 3, 7, 10
+    # tokens, each call as many tokens of every row as the shortest has left (no padding): the
+    # 3-token prompt ends in the first call and joins the rows where it is (row 0), the 7-token one
+    # in the second (row 1), the 10-token one finishes alone (row 2)
+    assert _prefills(lm) == [(3, 3, 0), (2, 4, 1), (1, 3, 2)]
+
+
+def test_one_row_a_call_without_the_gate():
+    eng, lm = _engine(prompt_rows=1)
+    for i, n in enumerate((10, 3, 7)):
+        _submit(eng, _prompt(n, i))
+    _drain(eng)
+    assert all(n == 1 for n, _, _ in _prefills(lm))
+
+
+def test_what_one_call_may_carry_bounds_the_group():
+    # no budget, nothing running: a request alone's larger chunk (16 tokens): 4 rows of 4
+    eng, lm = _engine(lone=16)
+    for i in range(6):
+        _submit(eng, _prompt(9, i))
+    eng.step()
+    assert _prefills(lm)[0] == (4, 4, 0)
+    # a prefill budget: rows x the longest chunk within it
+    eng, lm = _engine(budget=8)
+    for i in range(6):
+        _submit(eng, _prompt(9, i))
+    eng.step()
+    assert _prefills(lm) == [(2, 4, 0)], "8 tokens a step: two rows of 4"
+    eng.step()
+    assert _prefills(lm) == [(2, 4, 0), (2, 4, 0)], "then their next chunk (the running rows' round between)"
+    # beside running rows, no budget: one chunk's worth (short prompts still share it)
+    eng, lm = _engine(lone=4)
+    _submit(eng, _prompt(5, 9), n=40, ignore_eos=True)
+    while not eng.rows:
+        eng.step()
+    prompts = [_prompt(9, 1), _prompt(9, 2), _prompt(2, 3), _prompt(2, 4)]
+    got = [_submit(eng, p, ignore_eos=True) for p in prompts]
+    _drain(eng)
+    # every call within one chunk (4 tokens), rows of several requests sharing some: a 9-token prompt
+    # one a call, or beside a 2-token one, 2 tokens each
+    calls = [c for c in _prefills(lm) if c[2] >= 1]
+    assert all(n * T <= 4 for n, T, _ in calls) and any(n == 2 for n, _, _ in calls), calls
+    for p, g in zip(prompts, got):
+        assert g.tokens == _reference_all(lm, p, 6)
+
+
+def test_a_request_with_samples_is_admitted_alone():
+    eng, lm = _engine()
+    a = _submit(eng, _prompt(6, 1))
+    eng.add(Request(_prompt(5, 2), 4, SamplingParams(temperature=1.0), 3, sink=Got(),
+                    siblings=[Request(_prompt(5, 2), 4, SamplingParams(temperature=1.0), 4, sink=Got())]))
+    _submit(eng, _prompt(7, 3))
+    _drain(eng)
+    assert a.tokens == _reference(lm, _prompt(6, 1), 6)
+    assert _prefills(lm)[0][0] == 1, "the request before one with samples does not wait for it, nor join it"
+
+
+def test_a_cancelled_row_in_the_middle_of_the_group_leaves_and_the_others_close_up():
+    eng, lm = _engine(lone=12)
+    prompts = [_prompt(13, 1), _prompt(9, 2), _prompt(11, 3)]
+    got = [_submit(eng, p) for p in prompts]
+    eng.step()                                  # one call of 3 rows: 9, 11, 13 tokens in rows 0, 1, 2
+    assert _prefills(lm) == [(3, 4, 0)] and len(eng.admitting) == 3
+    middle = eng.admitting[1]
+    assert middle.req.prompt == prompts[2]
+    middle.req.cancel()
+    _drain(eng)
+    assert got[2].done.finish_reason == "cancelled" and not got[2].tokens
+    for i in (0, 1):
+        assert got[i].tokens == _reference(lm, prompts[i], 6), "a row that moved up in the group answers as alone"
+    assert lm.cache.moves[0] == (2, 1, 4), "the last row closed up the gap (its 4 prompt tokens so far)"
+
+
+def test_a_running_row_leaving_moves_the_whole_group_down_in_order():
+    eng, lm = _engine(budget=8)
+    first = _submit(eng, _prompt(3, 7), n=2, ignore_eos=True)
+    eng.step()                                  # alone: prefilled, its first token
+    prompts = [_prompt(12, 1), _prompt(12, 2)]
+    got = [_submit(eng, p, ignore_eos=True) for p in prompts]
+    eng.step()                                  # its last token; the group's first call (rows 1, 2); it leaves
+    assert first.done is not None and [r.req.prompt for r in eng.admitting] == prompts
+    assert lm.cache.moves == [(1, 0, 4), (2, 1, 4)], "both rows of the group move down, in order"
+    _drain(eng)
+    for p, g in zip(prompts, got):
+        assert g.tokens == _reference_all(lm, p, 6)
+
+
+def test_a_model_that_pads_odd_calls_and_needs_two_rows_keeps_every_answer():
+    eng, lm = _engine(min_rows=2, row_multiple=2)
+    prompts = [_prompt(n, i) for i, n in enumerate((7, 3, 5))]
+    got = [_submit(eng, p) for p in prompts]
+    _drain(eng)
+    for p, g in zip(prompts, got):
+        assert g.tokens == _reference(lm, p, 6)
+    # 3 rows x 3 tokens: an odd call, padded with row 3 (a free row)
+    assert _prefills(lm)[0] == (3, 3, 0) and lm.pads and lm.pads[0][0] == 3
+
+
+def test_a_static_prompt_graph_runs_one_row_a_call_and_bad_values_are_refused():
+    eng, _ = _engine(static=True)
+    assert eng.prompt_rows == 1
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_rows"):
+            _engine(prompt_rows=bad)
+
+
+def test_the_call_shape_rule():
+    assert prompt_call([4, 2, 1], 1, 1, 1) == (4, [3, 1, 0])
+    assert prompt_call([1, 1], 2, 1, 2) == (2, [0, 0])         # every row's P positions fit
+    assert prompt_call([3], 1, 2, 8) == (8, [2])               # min_rows activation rows in all
+    assert prompt_call([3, 3], 1, 5, 1) == (5, [2, 2])         # min_tokens
+
+
+# --- the gate and the runtime's reading of it, on the tiny folders --------------------------------
+
+def test_the_gate_on_real_graphs(tiny_batch_rows_engines, tiny_batch_standard_engines, tiny_batch_int4_engines):
+    rows = mf.load(tiny_batch_rows_engines).models["batch"]
+    rec = rows.parity["prompt_rows"]
+    assert rec["equal"] is True and rec["rows"] == chunks.GROUP and rec["max_abs_kv_delta"] == 0.0
+    assert prompt_rows(rows) > 1
+    # fp32 "standard" attention (a mask over the whole cache): a padded chunk among others rounds apart
+    std = mf.load(tiny_batch_standard_engines).models["batch"]
+    assert std.parity["prompt_rows"]["equal"] is False and std.parity["prompt_rows"]["max_abs_logit_delta"] > 0
+    assert prompt_rows(std) == 1
+    gqa = mf.load(tiny_batch_int4_engines).models["batch"]
+    assert gqa.parity["prompt_rows"]["equal"] is None and "GroupQueryAttention" in gqa.parity["prompt_rows"]["why"]
+    assert prompt_rows(gqa) == 1
+
+
+def test_the_gate_compares_every_row_bit_for_bit(monkeypatch, tiny_batch_rows_engines):
+    """A model whose prompt calls of several rows move one K/V entry of one row by 1e-7 is
+    recorded unequal: the gate reads each row's K/V, not only the logits."""
+    man = mf.load(tiny_batch_rows_engines)
+    entry = man.models["batch"]
+    real = chunks._feed_group
+
+    def nudged(model, first_row, prompts, chunk):
+        out = real(model, first_row, prompts, chunk)
+        out[2][1][0][0, 0, 0] += 1e-7
+        return out
+
+    monkeypatch.setattr(chunks, "_feed_group", nudged)
+    from specrt.builder.steps import prompt_ids
+    from specrt.runtime.tokenizer import Tokenizer
+    prompts = prompt_ids(Tokenizer(tiny_batch_rows_engines, man.tokenizer), int(entry.dims["vocab"]))
+    got = chunks.prompt_rows(tiny_batch_rows_engines, entry, man.shapes, prompts)
+    assert got["equal"] is False and got["max_abs_kv_delta"] > 0 and got["max_abs_logit_delta"] == 0.0
+
+
+def test_the_runtime_reads_the_record(monkeypatch, tiny_batch_rows_engines):
+    entry = mf.load(tiny_batch_rows_engines).models["batch"]
+
+    def with_record(rec):
+        parity = {k: v for k, v in entry.parity.items() if k != "prompt_rows"}
+        return entry.__class__(**{**entry.__dict__, "parity": parity if rec is None else {**parity, "prompt_rows": rec}})
+    assert prompt_rows(with_record(None)) == 1                      # folders built before the gate
+    assert prompt_rows(with_record({"equal": False})) == 1
+    for bad in ("yes", {"equal": "true"}):
+        with pytest.raises(ManifestError, match="rebuild"):
+            prompt_rows(with_record(bad))
+    monkeypatch.setenv("SPECRT_PROMPT_ROWS", "3")
+    assert prompt_rows(entry) == 3
+    monkeypatch.setenv("SPECRT_PROMPT_ROWS", "0")
+    with pytest.raises(ConfigError, match="SPECRT_PROMPT_ROWS"):
+        prompt_rows(entry)
+
+
+def _burst(folder, prompts, monkeypatch, n=8):
+    from specrt.runtime.backends.ort_batch import OrtBatchModel
+    calls, real = [], OrtBatchModel.step
+
+    def counted(self, graph, tokens, *a, **kw):
+        calls.append((graph, tokens.shape[0]))
+        return real(self, graph, tokens, *a, **kw)
+
+    OrtBatchModel.step = counted
+    try:
+        with open_batch(folder, max_num_seqs=len(prompts), threads=2, speculate=False) as gen:
+            hold_until_added(gen.engine, len(prompts), monkeypatch)     # all wait before the first is admitted
+            handles = [gen.submit(list(p), max_new_tokens=n, ignore_eos=True) for p in prompts]
+            out = [h.result().tokens for h in handles]
+    finally:
+        OrtBatchModel.step = real
+    return out, max(r for g, r in calls if g == "prefill")
+
+
+def test_a_burst_on_the_rows_graph_answers_as_one_row_a_call(tmp_path, monkeypatch, tiny_batch_rows_engines):
+    """The real graph: requests submitted together, their prompts in calls of several rows, give
+    the tokens of the same requests with one prompt row a call (the record edited off in a copy)."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(3, 120, n)] for n in (5, 23, 11, 40, 17)]
+    grouped, widest = _burst(tiny_batch_rows_engines, prompts, monkeypatch)
+    assert widest > 1, "the requests' prompts never shared a call"
+    one = tmp_path / "one"
+    shutil.copytree(tiny_batch_rows_engines, one)
+    m = json.loads((one / "manifest.json").read_text())
+    m["models"]["batch"]["parity"]["prompt_rows"]["equal"] = False
+    (one / "manifest.json").write_text(json.dumps(m))
+    alone, widest1 = _burst(one, prompts, monkeypatch)
+    assert widest1 == 1
+    assert grouped == alone and all(len(t) == 8 for t in grouped)
