@@ -4,7 +4,7 @@ submitted together (the held-out prompts of benchmarks/concurrency.py, each twic
 tokens, beside the wall time.
 
     .venv/bin/python benchmarks/batch_time_split.py ENGINES [ENGINES ...] [--rows 24] [--new 128]
-        [--prefill-budget 1024] [--rounds 1]
+        [--prefill-budget 1024] [--rounds 1] [--prompt-tokens N]
 
 Prints per folder: wall time and tok/s, prompt chunks (calls, seconds), decode/verify steps
 (calls, seconds, the mean full-width step), what is left (the engine's Python), and the
@@ -87,9 +87,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="prompt tokens a step may prefill (as `specrt serve --prefill-budget`; default: one chunk)")
     ap.add_argument("--rounds", type=int, default=1, help="the folders in turn, this many times (interleaved)")
+    ap.add_argument("--prompt-tokens", type=int, default=None,
+                    help="keep the last N tokens of each prompt (short prompts: many requests' prompts in one call)")
     a = ap.parse_args(argv)
     ids, _, _ = concurrency.requests(argparse.Namespace(prompts=12, prompt_file=None))
     prompts = (ids * (a.rows // len(ids) + 1))[:a.rows]
+    if a.prompt_tokens:
+        prompts = [p[-a.prompt_tokens:] for p in prompts]
     for _ in range(a.rounds):
         for folder in a.engines:
             split(folder, a.rows, a.new, prompts, a.prefill_budget)

@@ -9,15 +9,20 @@ buffers) as before.
 
 Prompts of several requests in one call (`_prefill_group`), where the folder's build showed
 that a row's prompt gives the same bits among others as alone (parity.prompt_rows,
-builder/gates/chunks.py prompt_rows; the engine's prompt_rows > 1): the waiting requests
-admitted together (oldest first, none with samples to fork) take the free rows after the
-running ones, shortest prompt first, and each call carries the same number of tokens of every
-one of them: the folder's chunk, or what is left of the shortest prompt if less. No row is
-padded (padding chunks of 38-64 tokens to the longest cost more than the call saved: a first
-form, measured), all start at position 0 and advance together, and the ones whose prompt ends
-in a call are the first rows of the group: they join the running rows where they are, no K/V
-moves; the last one left goes on alone. One call of 8 rows x 48 tokens costs x0.85 of 8 calls
-of one row (SmolLM2 int8row, AVX2, docs/benchmarks.md), the same bits.
+builder/gates/chunks.py prompt_rows; the engine's prompt_rows > 1): waiting requests whose
+prompts each fit in one chunk, admitted together (oldest first, none with samples to fork),
+take the free rows after the running ones, shortest prompt first, and each call carries the
+same number of tokens of every one of them: what is left of the shortest prompt, within what
+one prompt call may carry. No row is padded (padding chunks of 38-64 tokens to the longest cost
+more than the call saved: a first form, measured), all start at position 0 and advance
+together, and the ones whose prompt ends in a call are the first rows of the group: they join
+the running rows where they are, no K/V moves; the last one left goes on alone. A prompt longer
+than a chunk is admitted alone, as before: its chunks already fill a call, and in a group the
+oldest request's prompt would advance a chunk a call beside the others' instead of taking the
+step's whole budget (8 requests of ~1000 tokens at once: time to the first token p50 x1.8, the
+same total time). 24 prompts of 20 tokens in one call cost x0.76 of 24 calls of one row;
+prompts of 38-64 tokens already fill a call, and gain nothing (SmolLM2 int8row, AVX2,
+docs/batching.md), the same bits.
 """
 from __future__ import annotations
 
@@ -85,17 +90,21 @@ class Admission:
 
     def _joins(self, group: list[Request]) -> bool:
         """Does the next waiting request share the prompt calls of `group` (module docstring)?
-        A free row for it, none of them with samples to fork, and the group's first call
-        (rows x its shortest prompt, at most a chunk) within what one prompt call may carry: the
-        step's prefill_budget, else a chunk (a request alone's larger one when no row runs)."""
+        A free row for it, every prompt within one chunk, none with samples to fork, and the
+        group's first call (rows x its shortest prompt) within what one prompt call may carry."""
         if len(group) >= self.prompt_rows or not self.waiting or group[0].siblings or self.waiting[0].siblings \
-                or len(self.rows) + len(group) >= self.max_num_seqs:
+                or len(self.rows) + len(group) >= self.max_num_seqs \
+                or max(len(group[0].prompt), len(self.waiting[0].prompt)) > self.prefill_tokens:
             return False
         if self._own_draft and getattr(self.draft, "multi_token_rows", None) == 1:
             return False        # a draft model of its own that prefills one row a call (GroupQueryAttention)
-        carry = self.prefill_budget or (self.prefill_tokens if self.rows else self.lone_prefill_tokens)
         shortest = min(len(self.waiting[0].prompt), *(len(req.prompt) for req in group))
-        return (len(group) + 1) * min(shortest, self.prefill_tokens) <= carry
+        return (len(group) + 1) * shortest <= self._carry()
+
+    def _carry(self) -> int:
+        """The prompt tokens one call of several requests may carry: the step's prefill_budget,
+        else a chunk (a request alone's larger chunk when no row runs)."""
+        return self.prefill_budget or (self.prefill_tokens if self.rows else self.lone_prefill_tokens)
 
     def _prefill_chunk(self) -> int:
         """One chunk of the admitted rows' prompts; returns its tokens."""
@@ -149,7 +158,7 @@ class Admission:
         returns their tokens. The rows whose prompt ends here join the running rows."""
         group, slot = self.admitting, len(self.rows)
         n = len(group)
-        C = min(self.prefill_tokens, min(len(row.req.prompt) - row.length for row in group))
+        C = min(self.prefill_tokens, min(len(row.req.prompt) - row.length for row in group), max(self._carry() // n, 1))
         chunks = [row.req.prompt[row.length:row.length + C] for row in group]
         P = self._positions.shape[1]
         T, lows = prompt_call([len(c) for c in chunks], P, self.min_tokens, self.target.min_rows)

@@ -28,11 +28,11 @@ from specrt.runtime.batch.request import Delta, Done, Request
 from specrt.runtime.choice import choose
 from specrt.runtime.sampling import SamplingParams
 
-V, EOS, C = 16, 15, 4
+V, EOS, C = 16, 15, 8
 GREEDY = SamplingParams()
 
 
-def _engine(prompt_rows=8, *, rows=6, lone=16, budget=None, static=False, min_rows=1, row_multiple=1):
+def _engine(prompt_rows=8, *, rows=6, lone=32, budget=None, static=False, min_rows=1, row_multiple=1):
     spare = int(row_multiple > 1)
     lm = FakeLM(V, rows + spare, 96, graph_tokens={"prefill": C if static else 0, "decode": 0, "verify": 0},
                 min_rows=min_rows, row_multiple=row_multiple)
@@ -43,18 +43,7 @@ def _engine(prompt_rows=8, *, rows=6, lone=16, budget=None, static=False, min_ro
 
 
 def _reference(lm, prompt, n):
-    seq, out, scratch = list(prompt), [], np.zeros(V, np.float32)
-    for _ in range(n):
-        y = choose(lm.logits(seq), GREEDY, 0, len(seq), scratch)
-        seq.append(y)
-        if y == EOS:
-            break
-        out.append(y)
-    return out
-
-
-def _reference_all(lm, prompt, n):
-    """The request alone with EOS an ordinary token."""
+    """The request alone with EOS an ordinary token (the requests here ignore it)."""
     seq, scratch = list(prompt), np.zeros(V, np.float32)
     for _ in range(n):
         seq.append(choose(lm.logits(seq), GREEDY, 0, len(seq), scratch))
@@ -72,9 +61,9 @@ class Got:
             self.done = ev
 
 
-def _submit(eng, prompt, n=6, **kw):
+def _submit(eng, prompt, n=6):
     g = Got()
-    eng.add(Request(list(prompt), n, GREEDY, 0, sink=g, **kw))
+    eng.add(Request(list(prompt), n, GREEDY, 0, sink=g, ignore_eos=True))
     return g
 
 
@@ -93,60 +82,76 @@ def _prefills(lm):
     return [(n, T, r) for g, n, T, r in lm.calls if g == "prefill"]
 
 
+def _check(lm, prompts, got, n=6):
+    for p, g in zip(prompts, got):
+        assert g.done is not None and g.tokens == _reference(lm, p, n)
+
+
 def test_prompts_admitted_together_share_calls_shortest_first_and_answer_as_alone():
     eng, lm = _engine()
-    prompts = [_prompt(10, 1), _prompt(3, 2), _prompt(7, 3)]
+    prompts = [_prompt(8, 1), _prompt(3, 2), _prompt(6, 3)]
     got = [_submit(eng, p) for p in prompts]
     while eng.admitting or eng.waiting:
         eng.step()
     assert not lm.cache.moves, "rows leaving the group's front need no K/V moves"
     _drain(eng)
-    for p, g in zip(prompts, got):
-        assert g.done is not None and g.tokens == _reference(lm, p, 6)
-    # one group of 3 (3 rows x 3 tokens <= the 16 a call may carry alone), shortest first: 3, 7, 10
+    _check(lm, prompts, got)
+    # one group of 3 (3 rows x 3 tokens <= the 32 a call may carry alone), shortest first: 3, 6, 8
     # tokens, each call as many tokens of every row as the shortest has left (no padding): the
-    # 3-token prompt ends in the first call and joins the rows where it is (row 0), the 7-token one
-    # in the second (row 1), the 10-token one finishes alone (row 2)
-    assert _prefills(lm) == [(3, 3, 0), (2, 4, 1), (1, 3, 2)]
+    # 3-token prompt ends in the first call and joins the rows where it is (row 0), the 6-token one
+    # in the second (row 1), the 8-token one finishes alone (row 2)
+    assert _prefills(lm) == [(3, 3, 0), (2, 3, 1), (1, 2, 2)]
 
 
 def test_one_row_a_call_without_the_gate():
     eng, lm = _engine(prompt_rows=1)
-    for i, n in enumerate((10, 3, 7)):
-        _submit(eng, _prompt(n, i))
+    prompts = [_prompt(8, 1), _prompt(3, 2), _prompt(6, 3)]
+    got = [_submit(eng, p) for p in prompts]
     _drain(eng)
+    _check(lm, prompts, got)
+    assert all(n == 1 for n, _, _ in _prefills(lm))
+
+
+def test_a_prompt_longer_than_a_chunk_is_admitted_alone():
+    """Its chunks fill a call already; in a group it would advance beside the others instead of
+    taking the step's budget, and its first token would come later."""
+    eng, lm = _engine(budget=64)
+    prompts = [_prompt(12, i) for i in range(3)] + [_prompt(5, 7)]
+    got = [_submit(eng, p) for p in prompts]
+    _drain(eng)
+    _check(lm, prompts, got)
     assert all(n == 1 for n, _, _ in _prefills(lm))
 
 
 def test_what_one_call_may_carry_bounds_the_group():
-    # no budget, nothing running: a request alone's larger chunk (16 tokens): 4 rows of 4
+    # no budget, nothing running: a request alone's larger chunk (16 tokens): 3 rows of 5
     eng, lm = _engine(lone=16)
-    for i in range(6):
-        _submit(eng, _prompt(9, i))
+    got = [_submit(eng, _prompt(5, i)) for i in range(6)]
     eng.step()
-    assert _prefills(lm)[0] == (4, 4, 0)
-    # a prefill budget: rows x the longest chunk within it
-    eng, lm = _engine(budget=8)
-    for i in range(6):
-        _submit(eng, _prompt(9, i))
+    assert _prefills(lm) == [(3, 5, 0)]
+    _drain(eng)
+    _check(lm, [_prompt(5, i) for i in range(6)], got)
+    # a prefill budget: rows x the shortest prompt within it, every call of the group too
+    eng, lm = _engine(budget=6)
+    prompts = [_prompt(2, 1), _prompt(8, 2), _prompt(8, 3)]
+    got = [_submit(eng, p) for p in prompts]
     eng.step()
-    assert _prefills(lm) == [(2, 4, 0)], "8 tokens a step: two rows of 4"
+    assert _prefills(lm) == [(3, 2, 0)], "6 tokens a step: three rows of 2"
     eng.step()
-    assert _prefills(lm) == [(2, 4, 0), (2, 4, 0)], "then their next chunk (the running rows' round between)"
-    # beside running rows, no budget: one chunk's worth (short prompts still share it)
-    eng, lm = _engine(lone=4)
-    _submit(eng, _prompt(5, 9), n=40, ignore_eos=True)
+    assert _prefills(lm)[1] == (2, 3, 1), "then 3 tokens of the two left: 6, not 2 x 6"
+    _drain(eng)
+    _check(lm, prompts, got)
+    # beside running rows, no budget: one chunk's worth (8 tokens)
+    eng, lm = _engine(lone=8)
+    _submit(eng, _prompt(5, 9), n=40)
     while not eng.rows:
         eng.step()
-    prompts = [_prompt(9, 1), _prompt(9, 2), _prompt(2, 3), _prompt(2, 4)]
-    got = [_submit(eng, p, ignore_eos=True) for p in prompts]
+    prompts = [_prompt(7, 1), _prompt(7, 2), _prompt(3, 3), _prompt(3, 4)]
+    got = [_submit(eng, p) for p in prompts]
     _drain(eng)
-    # every call within one chunk (4 tokens), rows of several requests sharing some: a 9-token prompt
-    # one a call, or beside a 2-token one, 2 tokens each
+    _check(lm, prompts, got)
     calls = [c for c in _prefills(lm) if c[2] >= 1]
-    assert all(n * T <= 4 for n, T, _ in calls) and any(n == 2 for n, _, _ in calls), calls
-    for p, g in zip(prompts, got):
-        assert g.tokens == _reference_all(lm, p, 6)
+    assert all(n * T <= 8 for n, T, _ in calls) and any(n == 2 for n, _, _ in calls), calls
 
 
 def test_a_request_with_samples_is_admitted_alone():
@@ -161,33 +166,31 @@ def test_a_request_with_samples_is_admitted_alone():
 
 
 def test_a_cancelled_row_in_the_middle_of_the_group_leaves_and_the_others_close_up():
-    eng, lm = _engine(lone=12)
-    prompts = [_prompt(13, 1), _prompt(9, 2), _prompt(11, 3)]
+    eng, lm = _engine()
+    prompts = [_prompt(8, 1), _prompt(5, 2), _prompt(7, 3), _prompt(6, 4)]
     got = [_submit(eng, p) for p in prompts]
-    eng.step()                                  # one call of 3 rows: 9, 11, 13 tokens in rows 0, 1, 2
-    assert _prefills(lm) == [(3, 4, 0)] and len(eng.admitting) == 3
+    eng.step()          # one call of 4 rows x 5 tokens: the 5-token prompt joins the rows (row 0)
+    assert _prefills(lm) == [(4, 5, 0)] and [len(r.req.prompt) for r in eng.admitting] == [6, 7, 8]
     middle = eng.admitting[1]
     assert middle.req.prompt == prompts[2]
     middle.req.cancel()
     _drain(eng)
     assert got[2].done.finish_reason == "cancelled" and not got[2].tokens
-    for i in (0, 1):
-        assert got[i].tokens == _reference(lm, prompts[i], 6), "a row that moved up in the group answers as alone"
-    assert lm.cache.moves[0] == (2, 1, 4), "the last row closed up the gap (its 4 prompt tokens so far)"
+    _check(lm, [prompts[i] for i in (0, 1, 3)], [got[i] for i in (0, 1, 3)])
+    assert lm.cache.moves[0] == (3, 2, 5), "the last row closed up the gap (its 5 prompt tokens so far)"
 
 
 def test_a_running_row_leaving_moves_the_whole_group_down_in_order():
-    eng, lm = _engine(budget=8)
-    first = _submit(eng, _prompt(3, 7), n=2, ignore_eos=True)
+    eng, lm = _engine(budget=6)
+    first = _submit(eng, _prompt(3, 7), n=2)
+    prompts = [_prompt(2, 1), _prompt(8, 2), _prompt(8, 3)]
     eng.step()                                  # alone: prefilled, its first token
-    prompts = [_prompt(12, 1), _prompt(12, 2)]
-    got = [_submit(eng, p, ignore_eos=True) for p in prompts]
-    eng.step()                                  # its last token; the group's first call (rows 1, 2); it leaves
-    assert first.done is not None and [r.req.prompt for r in eng.admitting] == prompts
-    assert lm.cache.moves == [(1, 0, 4), (2, 1, 4)], "both rows of the group move down, in order"
+    got = [_submit(eng, p) for p in prompts]
+    eng.step()      # its last token; the group's first call (the 2-token prompt joins, row 1); it leaves
+    assert first.done is not None and [r.req.prompt for r in eng.admitting] == prompts[1:]
+    assert lm.cache.moves == [(1, 0, 2), (2, 1, 2), (3, 2, 2)], "the last running row, then the group, in order"
     _drain(eng)
-    for p, g in zip(prompts, got):
-        assert g.tokens == _reference_all(lm, p, 6)
+    _check(lm, prompts, got)
 
 
 def test_a_model_that_pads_odd_calls_and_needs_two_rows_keeps_every_answer():
@@ -195,8 +198,7 @@ def test_a_model_that_pads_odd_calls_and_needs_two_rows_keeps_every_answer():
     prompts = [_prompt(n, i) for i, n in enumerate((7, 3, 5))]
     got = [_submit(eng, p) for p in prompts]
     _drain(eng)
-    for p, g in zip(prompts, got):
-        assert g.tokens == _reference(lm, p, 6)
+    _check(lm, prompts, got)
     # 3 rows x 3 tokens: an odd call, padded with row 3 (a free row)
     assert _prefills(lm)[0] == (3, 3, 0) and lm.pads and lm.pads[0][0] == 3
 
@@ -293,7 +295,7 @@ def test_a_burst_on_the_rows_graph_answers_as_one_row_a_call(tmp_path, monkeypat
     """The real graph: requests submitted together, their prompts in calls of several rows, give
     the tokens of the same requests with one prompt row a call (the record edited off in a copy)."""
     rng = np.random.default_rng(5)
-    prompts = [[int(x) for x in rng.integers(3, 120, n)] for n in (5, 23, 11, 40, 17)]
+    prompts = [[int(x) for x in rng.integers(3, 120, n)] for n in (5, 12, 9, 16, 3)]     # within a chunk (16)
     grouped, widest = _burst(tiny_batch_rows_engines, prompts, monkeypatch)
     assert widest > 1, "the requests' prompts never shared a call"
     one = tmp_path / "one"
