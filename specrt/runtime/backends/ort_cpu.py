@@ -312,7 +312,9 @@ class OrtModel:
 
 def kernel_fingerprint() -> str | None:
     """What ONNX Runtime's CPU kernels, hence their rounding, depend on here: its version and
-    the CPU's instruction set (cpu_features.kernel_isa); None where the flags cannot be read."""
+    the CPU's instruction set (cpu_features.kernel_isa); None where the flags cannot be read.
+    Not the thread count: MLAS splits rows and columns between threads, never a sum
+    (tests/runtime/test_thread_count.py, docs/precision.md)."""
     isa = kernel_isa()
     return None if isa is None else f"onnxruntime {ort.__version__}, {isa}"
 
