@@ -35,6 +35,10 @@ def test_the_build_records_which_family_each_runtime_shape_runs(tiny_batch_rows_
     assert uses["int8 self-draft, 1 request"]["graph"] == "batch/draft.onnx"
     chunk = uses["prompt chunk"]
     assert (chunk["tokens"], chunk["logit_rows"], chunk["runs"]) == (man.shapes.prefill_chunk, 1, "fp32")
+    # requests admitted together share prompt calls here (parity.prompt_rows): that call is timed too
+    group = uses[f"prompts of {kernels.GROUP_ROWS} requests in one call"]
+    assert (group["rows"], group["tokens"], group["logit_rows"]) == (kernels.GROUP_ROWS, kernels.GROUP_TOKENS,
+                                                                    kernels.GROUP_ROWS)
     for r in table["shapes"]:
         assert set(r["ms"]) == set(kernels.FAMILIES) and all(v > 0 for v in r["ms"].values())
         assert (r["model"], r["layers"]) == ("batch", man.target.layers)
@@ -52,6 +56,7 @@ def test_the_int4_folder_runs_int4_steps_and_rowwise_prompt_chunks(tiny_batch_en
     # the folder's own int4 settings are what the int4 column measures (block 16 here, not the default 32)
     assert table["families"]["int4"]["block_size"] == 16 != PRECISIONS["int4"]["block_size"]
     assert not any(r["use"].startswith("int8 self-draft") for r in table["shapes"])      # no draft: not run
+    assert not any(r["use"].startswith("prompts of") for r in table["shapes"])   # GroupQueryAttention: one row a call
 
 
 def test_rows_are_padded_where_the_graph_wants_even_rows(tiny_batch_b64_engines):

@@ -35,11 +35,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt import manifest as mf
-from specrt.runtime.backends.batch_calls import lone_prefill_tokens, padded_call
+from specrt.runtime.backends.batch_calls import lone_prefill_tokens, padded_call, prompt_rows
 
 FAMILIES = ("fp32", "int4", "int8", "int8row")
 STEP_ROWS = (4, 8, 16, 24, 32)        # decode steps of n requests at once
 PROMPT_CHUNKS = (16, 256, 512)        # besides the folder's own prefill chunk
+GROUP_ROWS, GROUP_TOKENS = 8, 16      # short prompts of requests admitted together, in one call
 RUNS, WARMUP = 5, 1
 
 
@@ -131,6 +132,9 @@ def runtime_shapes(man: mf.Manifest) -> list[dict]:
             use = "prompt chunk" if c == s.prefill_chunk else "prompt chunk, a request alone" if c == lone \
                 else f"prompt chunk with --prefill-chunk {c}"
             add(use, 1, c, prefill, logits_a_row=1)
+    if batch is not None and prompt_rows(batch) > 1:
+        # requests admitted together share prompt calls (runtime/batch/admission.py): 8 short ones
+        add(f"prompts of {GROUP_ROWS} requests in one call", GROUP_ROWS, GROUP_TOKENS, prefill, logits_a_row=1)
     return out
 
 
