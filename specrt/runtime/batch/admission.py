@@ -192,6 +192,21 @@ class Admission:
             self._first_token(row, last[None])
         return sum(len(c) for c in chunks)
 
+    def _close_up(self) -> None:
+        """Rows being prefilled that were cancelled (or timed out) leave, told first; the others
+        move down to close the gaps, in their order (engine.py _evict, after the running rows)."""
+        if all(p.finish is None for p in self.admitting):
+            return
+        was, base = self.admitting, len(self.rows)
+        self.admitting = [p for p in was if p.finish is None]
+        for p in was:
+            if p.finish is not None:
+                self._finish(p)
+        for dst, p in enumerate(self.admitting):
+            src = was.index(p)
+            if src != dst:
+                self._move(base + src, base + dst, p)
+
     def _fork(self, row: Row, slot: int, last: np.ndarray) -> None:
         """The next sample in `_unforked` of row's prompt, just prefilled in cache row `slot`: the
         prompt's K/V copied into the next free row (and the draft's, with its own cache), its first

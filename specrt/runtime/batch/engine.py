@@ -102,7 +102,7 @@ class BatchEngine(Admission, DraftRounds):
         prompt_rows: the most requests whose prompt chunks share one call (admission.py
         _prefill_group), where the build showed a row's prompt gives the same bits among others
         (backends/batch_calls.py prompt_rows; 1: one row a call, a graph of static T always).
-        Their padded tokens stay within what one prompt call may carry (prefill_budget, else the
+        Each such call stays within what one prompt call may carry (prefill_budget, else the
         chunk, or a request alone's larger chunk when no row runs)."""
         rows = getattr(target, "rows", target.cache.rows)     # (a model that pads odd calls keeps a spare row)
         if max_num_seqs < 1 or max_num_seqs > rows:
@@ -404,17 +404,7 @@ class BatchEngine(Admission, DraftRounds):
                 self._move(last, i, moved)
             for j, p in enumerate(self.admitting):      # keep them right after the running rows
                 self._move(last + 1 + j, last + j, p)
-        if any(p.finish is not None for p in self.admitting):
-            # those cancelled before their prompt ran out leave; the others close up, in order
-            was, base = self.admitting, len(self.rows)
-            self.admitting = [p for p in was if p.finish is None]      # (told first, as above)
-            for p in was:
-                if p.finish is not None:
-                    self._finish(p)
-            for dst, p in enumerate(self.admitting):
-                src = was.index(p)
-                if src != dst:
-                    self._move(base + src, base + dst, p)
+        self._close_up()            # rows cancelled while their prompt was being prefilled (admission.py)
         self._free_rows()
 
     def _free_rows(self) -> None:
