@@ -97,8 +97,9 @@ def export(cfg, tgt, tmp: Path, target_part: dict, prompts) -> dict:
     part["parity"] = {"batch_invariance": inv,
                       "window_invariance": window_invariance(tmp, part, shapes, prompts),
                       "greedy_agreement_with_target": agreement(tmp, part, target_part, shapes, prompts),
-                      "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts),
-                      "prompt_rows": prompt_rows_gate(tmp, part, shapes, prompts)}
+                      "chunk_invariance": chunk_invariance(tmp, part, shapes, prompts)}
+    # (after the windows' record: its calls take the folder's min_tokens a row, as the engine's)
+    part["parity"]["prompt_rows"] = prompt_rows_gate(tmp, part, shapes, prompts)
     if prefill_att:     # a prompt graph of its own attention: gated before anything else reads it
         part["parity"]["prompt_invariance"] = prompt_invariance(tmp, part, shapes, prompts)
         part["parity"]["prompt_agreement_fp32"] = agreement_fp32

@@ -35,9 +35,9 @@ rounding of each other (another kernel, the same arithmetic: a rotary or window 
 apart would be O(1) off, and decode steps read what the prompt graph wrote).
 
 Prompts of several requests in one call (runtime/batch/admission.py _prefill_group: requests
-admitted together, their chunks padded to the longest) are lossless only if a row's prompt
+admitted together, each call as many tokens of every row) are lossless only if a row's prompt
 gives the same bits among others as alone: per-row activation scales, a kernel that sums a row
-the same way whatever the rows beside it, padding that no real position reads. `prompt_rows`
+the same way whatever the rows beside it, chunk boundaries that change nothing. `prompt_rows`
 measures it: GROUP prompts of different lengths (a short one, one ending in a one-token chunk,
 one chunk exactly, several chunks; an odd number of rows, which a model that pads odd calls
 pads) fed together as the engine feeds them (each call as many tokens of every row as the
@@ -152,6 +152,7 @@ def prompt_rows(root: Path, entry, shapes, prompts) -> dict:
     "rows", "lengths", "max_abs_logit_delta", "max_abs_kv_delta"}; equal None (with "why") where
     the prompt graph runs one row a call, has a static T, or the context is too short. Also
     `specrt retime`'s, over a built folder's models.batch."""
+    from specrt.runtime.backends.batch_calls import min_tokens
     from specrt.runtime.backends.ort_batch import OrtBatchModel
     graphs = tuple(g for g in ("step", "prefill") if g in entry.graphs)
     prompt_graph = "prefill" if "prefill" in graphs else "step"
@@ -176,9 +177,10 @@ def prompt_rows(root: Path, entry, shapes, prompts) -> dict:
     alone = model(1)
     ref = [_feed(alone, 0, p, C) for p in group]
     fresh, beside = model(len(group)), model(len(group) + 1)
-    runs = [_feed_group(fresh, 0, group, C)]
+    m = min_tokens(entry, shapes.k)        # as the engine pads a call (a one-token chunk: m tokens)
+    runs = [_feed_group(fresh, 0, group, C, m)]
     _feed(beside, 0, other, C)
-    runs.append(_feed_group(beside, 1, group, C))
+    runs.append(_feed_group(beside, 1, group, C, m))
     logit_delta = max(float(np.max(np.abs(a[0] - b[0]))) for r in runs for a, b in zip(ref, r))
     kv_delta = max(float(np.max(np.abs(x - y))) for r in runs for a, b in zip(ref, r) for x, y in zip(a[1], b[1]))
     equal = all(np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
@@ -189,10 +191,12 @@ def prompt_rows(root: Path, entry, shapes, prompts) -> dict:
     return {**record, "equal": equal, "max_abs_logit_delta": logit_delta, "max_abs_kv_delta": kv_delta}
 
 
-def _feed_group(model, first_row: int, prompts: list[list[int]], C: int) -> list:
+def _feed_group(model, first_row: int, prompts: list[list[int]], C: int, min_tokens: int = 1) -> list:
     """`prompts` (shortest first) into cache rows first_row.. together, as the engine feeds
     requests admitted together (runtime/batch/admission.py _prefill_group: one call a chunk, the
-    rows whose prompt ended leaving the front of the group); each one's last logits and K/V."""
+    rows whose prompt ended leaving the front of the group); each one's last logits and K/V.
+    (The engine may also cut a call shorter to keep it within a step's budget: other chunk
+    boundaries, which change nothing where this gate holds, as it compares against chunks of C.)"""
     from specrt.runtime.backends.batch_calls import prompt_call
     P = max(model.min_rows, 1)
     fed, lasts = [0] * len(prompts), [None] * len(prompts)
@@ -200,7 +204,7 @@ def _feed_group(model, first_row: int, prompts: list[list[int]], C: int) -> list
         act = [i for i, p in enumerate(prompts) if fed[i] < len(p)]
         T = min(C, min(len(prompts[i]) - fed[i] for i in act))
         chunks = [prompts[i][fed[i]:fed[i] + T] for i in act]
-        T, lows = prompt_call([len(c) for c in chunks], P, 1, model.min_rows)
+        T, lows = prompt_call([len(c) for c in chunks], P, min_tokens, model.min_rows)
         toks = np.zeros((len(act), T), np.int64)
         pos = np.zeros((len(act), P), np.int64)
         for j, c in enumerate(chunks):

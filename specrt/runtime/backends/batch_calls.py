@@ -58,6 +58,20 @@ def lone_prefill_tokens(entry: ModelEntry, shapes: Shapes) -> int:
     return max(chunks[1], shapes.prefill_chunk)
 
 
+def min_tokens(entry: ModelEntry, k: int) -> int:
+    """Tokens a row of every target pass of the batched engine (prompt chunks too): the windows'
+    min_tokens where the build showed speculation cannot change a row's tokens
+    (parity.window_invariance: a kernel's one-token path may round apart), else 1."""
+    windows = (entry.parity or {}).get("window_invariance") or {}
+    if windows.get("equal") is not True:
+        return 1
+    m = windows.get("min_tokens", 2)
+    if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= k + 1:
+        raise ManifestError(f"models.{entry.role}.parity.window_invariance.min_tokens={m!r} is not a token count in "
+                            f"[1, {k + 1}]: the manifest was edited; rebuild the engines with `specrt build ... --batch`")
+    return m
+
+
 def prompt_rows(entry: ModelEntry) -> int:
     """The most requests whose prompt chunks may share one call (runtime/batch/admission.py
     _prefill_group): any number where the build showed a row's prompt gives the same bits among

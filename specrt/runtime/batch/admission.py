@@ -10,7 +10,8 @@ buffers) as before.
 Prompts of several requests in one call (`_prefill_group`), where the folder's build showed
 that a row's prompt gives the same bits among others as alone (parity.prompt_rows,
 builder/gates/chunks.py prompt_rows; the engine's prompt_rows > 1): waiting requests whose
-prompts each fit in one chunk, admitted together (oldest first, none with samples to fork),
+prompts each fit in one chunk, admitted together (oldest first, none with samples to fork; not
+beside a draft model of its own, which would prefill them too),
 take the free rows after the running ones, shortest prompt first, and each call carries the
 same number of tokens of every one of them: what is left of the shortest prompt, within what
 one prompt call may carry. No row is padded (padding chunks of 38-64 tokens to the longest cost
@@ -81,24 +82,28 @@ class Admission:
             # a request with siblings waits until a row is free for each of them (oldest first)
             if not self.waiting or len(self.rows) + 1 + len(self.waiting[0].siblings) > self.max_num_seqs:
                 return
-            group = [self.waiting.popleft()]
-            while self._joins(group):
-                group.append(self.waiting.popleft())
-        group.sort(key=lambda req: len(req.prompt))     # (stable: equal lengths keep their order)
-        self.admitting = [Row(req, min(req.max_new_tokens, self.max_context - len(req.prompt)), self.tokenizer,
-                              self.policy.row_accept(), self.k_max) for req in group]
+            group = [self.waiting[0]]
+            while len(self.waiting) > len(group) and self._joins(group, self.waiting[len(group)]):
+                group.append(self.waiting[len(group)])
+        # their rows are made while the requests still wait (a Row that raises loses none: fail_all
+        # tells the waiting), shortest prompt first (stable: equal lengths keep their order)
+        rows = [Row(req, min(req.max_new_tokens, self.max_context - len(req.prompt)), self.tokenizer,
+                    self.policy.row_accept(), self.k_max) for req in sorted(group, key=lambda req: len(req.prompt))]
+        with self._lock:        # (only this thread takes from `waiting`: its first requests are still these)
+            taken = [self.waiting.popleft() for _ in group]
+        assert taken == group, "the waiting queue changed under admission"
+        self.admitting = rows
 
-    def _joins(self, group: list[Request]) -> bool:
-        """Does the next waiting request share the prompt calls of `group` (module docstring)?
-        A free row for it, every prompt within one chunk, none with samples to fork, and the
-        group's first call (rows x its shortest prompt) within what one prompt call may carry."""
-        if len(group) >= self.prompt_rows or not self.waiting or group[0].siblings or self.waiting[0].siblings \
+    def _joins(self, group: list[Request], nxt: Request) -> bool:
+        """Does the waiting request `nxt` share the prompt calls of `group` (module docstring)?
+        A free row for it, every prompt within one chunk, none with samples to fork, no draft
+        model of its own, and the group's first call (rows x its shortest prompt) within what
+        one prompt call may carry."""
+        if len(group) >= self.prompt_rows or group[0].siblings or nxt.siblings or self._own_draft \
                 or len(self.rows) + len(group) >= self.max_num_seqs \
-                or max(len(group[0].prompt), len(self.waiting[0].prompt)) > self.prefill_tokens:
+                or max(len(group[0].prompt), len(nxt.prompt)) > self.prefill_tokens:
             return False
-        if self._own_draft and getattr(self.draft, "multi_token_rows", None) == 1:
-            return False        # a draft model of its own that prefills one row a call (GroupQueryAttention)
-        shortest = min(len(self.waiting[0].prompt), *(len(req.prompt) for req in group))
+        shortest = min(len(nxt.prompt), *(len(req.prompt) for req in group))
         return (len(group) + 1) * shortest <= self._carry()
 
     def _carry(self) -> int:
@@ -186,9 +191,11 @@ class Admission:
         if not all(row.prefilled for row in group[:done]):
             raise AssertionError("the rows whose prompt ended are not the group's first: admission sorts them")
         lasts = [logits[i, len(chunks[i]) - 1 - lows[i]].copy() for i in range(done)]
+        # all of them rows before any first token (one that raises leaves none in neither list:
+        # fail_all tells the rows)
         self.admitting = group[done:]
+        self.rows.extend(group[:done])
         for row, last in zip(group[:done], lasts):
-            self.rows.append(row)
             self._first_token(row, last[None])
         return sum(len(c) for c in chunks)
 

@@ -145,13 +145,10 @@ def _policy(root, man, entry, speculate: bool):
     from specrt.runtime.proposers import Chain, OneGram, PromptLookup, TableGuess
     k = man.shapes.k
     costs = BatchCosts.from_manifest((man.build or {}).get("speculation"))     # build: optional
-    windows = entry.parity.get("window_invariance") or {}
-    if windows.get("equal") is not True:
-        return BatchPolicy(None, k), 1
-    min_tokens = windows.get("min_tokens", 2)     # plain steps too: the same tokens with or without speculation
-    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 1 <= min_tokens <= k + 1:
-        raise ManifestError(f"models.batch.parity.window_invariance.min_tokens={min_tokens!r} is not a token count in "
-                            f"[1, {k + 1}]: the manifest was edited; rebuild the engines with `specrt build ... --batch`")
+    from specrt.runtime.backends.batch_calls import min_tokens as pass_tokens
+    min_tokens = pass_tokens(entry, k)      # plain steps too: the same tokens with or without speculation
+    if (entry.parity.get("window_invariance") or {}).get("equal") is not True:
+        return BatchPolicy(None, k), min_tokens
     if not speculate or costs is None:
         return BatchPolicy(None, k), min_tokens
     ngrams = (man.proposers or {}).get("ngrams")

@@ -132,17 +132,18 @@ def test_a_running_request_ended_between_steps_gets_no_further_round_and_keeps_i
 
 
 def test_closing_cancels_a_request_caught_between_the_queue_and_its_row(monkeypatch):
-    """close() from another thread may land while the engine thread has taken a request off the
-    queue but not yet made it the pending row (admission.py _admit): it is in neither list, so the
-    owner's snapshot misses it. The engine's `closing` flag cancels every request it holds at the
-    next step, in whatever state: the request ends "cancelled", not with its whole answer."""
+    """close() from another thread may land while the engine thread is admitting a request
+    (admission.py _admit: its row is made while it still waits, then it leaves the queue for the
+    rows being prefilled, for a moment in neither list, so the owner's snapshot may miss it). The
+    engine's `closing` flag cancels every request it holds at the next step, in whatever state:
+    the request ends "cancelled", not with its whole answer."""
     import specrt.runtime.batch.admission as admission_mod
     eng, lm = make_engine(1, costs=None, draft=False, lookup=False)
     real_row, landed = admission_mod.Row, []
 
     def row(req, *a, **k):
-        if not landed:               # the first Row made is _admit's: the request is in no list now
-            assert req not in eng.waiting and eng.pending is None and not eng.rows
+        if not landed:               # the first Row made is _admit's: the request is on its way to its row
+            assert eng.pending is None and not eng.rows
             eng.closing = True       # what BatchGenerator.close() sets
             landed.append(req)
         return real_row(req, *a, **k)

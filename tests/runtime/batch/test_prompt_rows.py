@@ -203,6 +203,66 @@ def test_a_model_that_pads_odd_calls_and_needs_two_rows_keeps_every_answer():
     assert _prefills(lm)[0] == (3, 3, 0) and lm.pads and lm.pads[0][0] == 3
 
 
+def _fail_on_raise(eng, limit=20):
+    """Step as the generator's thread does: a step that raises fails every request."""
+    for _ in range(limit):
+        try:
+            eng.step()
+        except Exception as e:
+            eng.fail_all(e)
+        if eng.idle():
+            return
+    raise AssertionError("the engine did not finish")
+
+
+def test_a_first_token_that_raises_leaves_no_request_untold():
+    """The group's rows whose prompt ended are rows before any of them gets its first token: when
+    one raises (NaN logits under sampling), fail_all tells every request."""
+    eng, lm = _engine()
+    bad, real = [1, 2, 3, 4], lm.logits
+    lm.logits = lambda p: np.full(V, np.nan, np.float32) if list(p) == bad else real(p)
+    seen = {}
+    for i, p in enumerate([bad, [5, 6, 7, 8], [9, 10, 11, 12]]):
+        seen[i] = []
+        eng.add(Request(p, 4, SamplingParams(temperature=1.0), i, sink=seen[i].append))
+    _fail_on_raise(eng)
+    assert _prefills(lm)[0] == (3, 4, 0)
+    assert all(len(evs) == 1 and type(evs[0]).__name__ == "Failed" for evs in seen.values()), seen
+
+
+def test_a_row_that_cannot_be_made_leaves_its_group_waiting(monkeypatch):
+    """Admission makes a group's rows while its requests still wait: one that raises loses none."""
+    from specrt.runtime.batch import admission
+    eng, _ = _engine()
+    real = admission.Row
+
+    def row(req, *a, **kw):
+        if len(req.prompt) == 6:
+            raise RuntimeError("no row")
+        return real(req, *a, **kw)
+    monkeypatch.setattr(admission, "Row", row)
+    seen = {}
+    for i, n in enumerate((3, 6, 5)):
+        seen[i] = []
+        eng.add(Request(_prompt(n, i), 4, GREEDY, 0, sink=seen[i].append))
+    _fail_on_raise(eng)
+    assert all(len(evs) == 1 and type(evs[0]).__name__ == "Failed" for evs in seen.values()), seen
+
+
+def test_no_group_beside_a_draft_model_of_its_own():
+    """(It would prefill the group's prompts too, through a graph that may take one row a call.)"""
+    lm = FakeLM(V, 6, 96, graph_tokens={"prefill": 0, "decode": 0, "verify": 0})
+    draft = FakeLM(V, 6, 96, salt=b"draft", graph_tokens={"prefill": 0, "decode": 0, "verify": 0})
+    eng = BatchEngine(lm, max_num_seqs=6, max_context=80, prefill_tokens=C, k_max=3, vocab=V,
+                      policy=BatchPolicy(None, 3, draft=True), eos={EOS}, draft=draft, lone_prefill_tokens=32,
+                      prompt_rows=8)
+    prompts = [_prompt(n, i) for i, n in enumerate((8, 3, 6))]
+    got = [_submit(eng, p) for p in prompts]
+    _drain(eng)
+    _check(lm, prompts, got)
+    assert all(n == 1 for n, _, _ in _prefills(lm))
+
+
 def test_a_static_prompt_graph_runs_one_row_a_call_and_bad_values_are_refused():
     eng, _ = _engine(static=True)
     assert eng.prompt_rows == 1
@@ -241,8 +301,8 @@ def test_the_gate_compares_every_row_bit_for_bit(monkeypatch, tiny_batch_rows_en
     entry = man.models["batch"]
     real = chunks._feed_group
 
-    def nudged(model, first_row, prompts, chunk):
-        out = real(model, first_row, prompts, chunk)
+    def nudged(model, first_row, prompts, chunk, min_tokens):
+        out = real(model, first_row, prompts, chunk, min_tokens)
         out[2][1][0][0, 0, 0] += 1e-7
         return out
 
