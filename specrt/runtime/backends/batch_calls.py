@@ -92,7 +92,7 @@ def prompt_rows(entry: ModelEntry) -> int:
     rec = (entry.parity or {}).get("prompt_rows")
     if rec is None:
         return 1
-    if not isinstance(rec, dict) or rec.get("equal") not in (True, False, None):
+    if not isinstance(rec, dict) or "equal" not in rec or rec["equal"] not in (True, False, None):
         raise ManifestError(f"models.{entry.role}.parity.prompt_rows={rec!r}: the manifest was edited; "
                             "rebuild the engines with `specrt build ... --batch`")
     if rec["equal"] is not True:

@@ -322,7 +322,7 @@ def test_the_runtime_reads_the_record(monkeypatch, tiny_batch_rows_engines):
         return entry.__class__(**{**entry.__dict__, "parity": parity if rec is None else {**parity, "prompt_rows": rec}})
     assert prompt_rows(with_record(None)) == 1                      # folders built before the gate
     assert prompt_rows(with_record({"equal": False})) == 1
-    for bad in ("yes", {"equal": "true"}):
+    for bad in ("yes", {"equal": "true"}, {"rows": 5}):
         with pytest.raises(ManifestError, match="rebuild"):
             prompt_rows(with_record(bad))
     monkeypatch.setenv("SPECRT_PROMPT_ROWS", "3")
