@@ -180,10 +180,7 @@ class Admission:
         if self.head is not None:
             for i, (row, chunk) in enumerate(zip(group, chunks)):
                 row.feats.append(self.target.hidden[i, :len(chunk)].copy())
-        if self._own_draft:
-            self._feed_draft(slot, chunks, [row.length for row in group], "prefill", pad=0)
-            for row, chunk in zip(group, chunks):
-                row.draft_len = row.length + len(chunk)
+        # (no draft model of its own beside a group: _joins; a shared-cache draft needs no prompt)
         for row, chunk in zip(group, chunks):
             row.length += len(chunk)
         self.stats.prefill_chunks += 1
@@ -204,13 +201,13 @@ class Admission:
         move down to close the gaps, in their order (engine.py _evict, after the running rows)."""
         if all(p.finish is None for p in self.admitting):
             return
-        was, base = self.admitting, len(self.rows)
-        self.admitting = [p for p in was if p.finish is None]
-        for p in was:
-            if p.finish is not None:
-                self._finish(p)
-        for dst, p in enumerate(self.admitting):
-            src = was.index(p)
+        base = len(self.rows)
+        kept = [(src, p) for src, p in enumerate(self.admitting) if p.finish is None]
+        gone = [p for p in self.admitting if p.finish is not None]
+        self.admitting = [p for _, p in kept]
+        for p in gone:
+            self._finish(p)
+        for dst, (src, p) in enumerate(kept):
             if src != dst:
                 self._move(base + src, base + dst, p)
 
