@@ -81,7 +81,9 @@ class SpecrtBatch:
         if self.rows != clients:                    # (re)opened per level: load time, not measured
             if self.gen is not None:
                 self.gen.close()
-            self.gen, self.rows = open_batch(self.path, max_num_seqs=clients, threads=self.threads), clients
+            # the prefill budget of the server runs (`--prefill-budget 1024`, docs/benchmarks.md)
+            self.gen = open_batch(self.path, max_num_seqs=clients, threads=self.threads, prefill_budget=1024)
+            self.rows = clients
         done: queue.Queue = queue.Queue()
         recs = {}
         t0 = time.perf_counter()
