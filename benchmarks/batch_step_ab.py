@@ -1,7 +1,7 @@
 """Two engine folders' batched step graphs, one step at a time, calls interleaved in one process:
 the time of one `OrtBatchModel.step` of R rows x T tokens at a context of C positions.
 
-    .venv/bin/python benchmarks/batch_step_ab.py A_ENGINES B_ENGINES [--rounds 16]
+    .venv/bin/python benchmarks/batch_step_ab.py A_ENGINES B_ENGINES [--rounds 16] [--shapes 24x1x150,8x1x900]
 
 Each model gets its own cache of 24 rows; before each shape every row is prefilled to C
 positions (chunks of 64), then the two models' steps alternate A-B / B-A; the first two rounds
@@ -30,13 +30,17 @@ def main(argv=None) -> int:
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                    help="ROWSxTxCONTEXT,... (one token a row for GroupQueryAttention folders: they refuse several "
+                         "rows of several tokens)")
     a = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     models = {}
     for name, folder in (("A", a.a), ("B", a.b)):
         man = load(folder)
         models[name] = OrtBatchModel(folder, man.models["batch"], man.shapes, rows=24, threads=2, graphs=("step",))
     print(f"A {a.a}, B {a.b}: median ms of one step, {a.rounds} interleaved rounds")
-    for rows, T, ctx in SHAPES:
+    for rows, T, ctx in shapes:
         for m in models.values():
             m.cache.forget(0)
             for r in range(rows):

@@ -101,6 +101,10 @@ SYSTEMS = {s.name: s for s in [
     System("specrt-int8row", "specrt serve int8row (int8 per channel, ONNX Runtime's int8 GEMM)", "specrt-server",
            ROOT / "artifacts/smollm2-int8row"),
     System("specrt-int8row-alt", "specrt serve int8row, alt args", "specrt-server", ROOT / "artifacts/smollm2-int8row"),
+    # int8row, the batched model with --batch-attention gqa (plain one-token steps; on AVX-512 VNNI
+    # its steps cost x0.84-0.89 of the rows graph's, docs/benchmarks.md): make engines-int8row-gqa
+    System("specrt-int8rowgqa", "specrt serve int8row, gqa attention", "specrt-server",
+           ROOT / "artifacts/smollm2-int8row-gqa"),
     System("specrt-int4-inproc", "specrt int4 batched, in process", "specrt-batch", ROOT / "artifacts/smollm2-int4"),
     System("specrt-int8row-inproc", "specrt int8row batched, in process", "specrt-batch",
            ROOT / "artifacts/smollm2-int8row"),
