@@ -33,7 +33,10 @@ def quality(a) -> dict:
     for name in (REFERENCE, *SPECRT_ROWS, *GENAI_ROWS):
         if SYSTEMS[name].missing:
             raise SystemExit(f"{name}: {SYSTEMS[name].missing}")
-    load = lambda s: SpeculativeGenerator(s.path, methods=("plain", "lookup"), threads=a.threads)  # noqa: E731
+    # the one-row graphs (engine="one-row", as specrt quality opens them): the teacher-forced passes step
+    # them directly; a --batch folder's default engine is its batched model, which has no .target
+    load = lambda s: SpeculativeGenerator(s.path, methods=("plain", "lookup"), threads=a.threads,  # noqa: E731
+                                          engine="one-row")
     ref = load(SYSTEMS[REFERENCE])
     specrt_rows = {n: load(SYSTEMS[n]) for n in SPECRT_ROWS}
     genai = {n: Worker("genai", SYSTEMS[n].path, SYSTEMS[n].python, a.threads) for n in GENAI_ROWS}
