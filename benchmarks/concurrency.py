@@ -64,7 +64,7 @@ class System:
 
     @property
     def missing(self) -> str | None:
-        how = {"specrt-server": "make engines engines-int4 (engines-int8row, engines-int4-same, -gqa, -b64, -b128)", "specrt-stream": "make engines engines-int4",
+        how = {"specrt-server": "make engines engines-int4 (engines-int8row, engines-int8row-gqa, engines-int4-same, -gqa, -b64, -b128)", "specrt-stream": "make engines engines-int4",
                "specrt-batch": "make engines-int4 (engines-int8row, engines-int4-b128)",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
