@@ -174,8 +174,8 @@ def main(argv=None) -> int:
     q.add_argument("--threads", type=int, default=2)
     q.add_argument("--prompt-file")
     q.add_argument("--batched", default="",
-                   help="comma-separated engine folders built with --batch: their batched models as extra rows "
-                        "(e.g. artifacts/smollm2-int4,artifacts/smollm2-int4-b64)")
+                   help="comma-separated engine folders as extra rows, each measured on the model its requests "
+                        "run, as specrt quality does (e.g. artifacts/smollm2-int8row,artifacts/smollm2-int8row-gqa)")
     q.add_argument("--json")
     sub.add_parser("build", help="build the peers' models into .cache/peers (runs in .venv-peers)")
     sub.add_parser("list", help="the systems' names")

@@ -362,8 +362,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quality", help="each engine folder against the fp32 reference on held-out prompts: "
                        "top-1 agreement, KL, max |delta logit|, greedy exact match, step costs")
-    q.add_argument("engines", nargs="+", help="folders written by `specrt build` (list the reference too for "
-                   "its 1.000 row)")
+    q.add_argument("engines", nargs="+", help="folders written by `specrt build`, each measured on the model its "
+                   "requests run (a --batch folder's batched model); list the reference too for that row")
     q.add_argument("--reference", required=True, help="the fp32 engine folder, e.g. artifacts/smollm2")
     q.add_argument("--prompts", metavar="FILE", help=".jsonl (a \"prompt\" field) or one prompt per line; "
                    "its held-out part is used (default: the shipped calibration set)")

@@ -63,7 +63,8 @@ def _quality(q: dict) -> list[str]:
     r = q.get("row", {})
     return [f"quality    vs {q.get('reference')}: top-1 {r.get('top1_agreement', 0):.3f} over {r.get('positions')} "
             f"positions, mean KL {r.get('mean_kl', 0):.4g}, max |dlogit| {r.get('max_abs_logit_delta', 0):.3g}, "
-            f"greedy = {r.get('greedy_exact_match')}/{r.get('greedy_prompts')} ({q.get('measured_by')})"]
+            f"greedy = {r.get('greedy_exact_match')}/{r.get('greedy_prompts')}"
+            + (f", of its {r['runs']}" if r.get("runs") else " (of its one-row graphs)") + f" ({q.get('measured_by')})"]
 
 
 def _num(x) -> str:

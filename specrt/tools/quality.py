@@ -1,20 +1,26 @@
 """How faithful each engine folder is to the fp32 reference, and what its steps cost:
 one table, one row per variant (`specrt quality`).
 
-Per evaluation prompt (chat template applied), the reference decodes greedily for N
-tokens (stopping after an EOS); every variant is then
+Each folder is measured on the model its requests run: a `--batch` folder's batched model (the
+one engine of SpeculativeGenerator, the server, Triton: runtime/one.py), any other folder's
+one-row graphs; the reference always on its one-row graphs (the fp32 export checked against
+transformers). Per evaluation prompt (chat template applied), the reference decodes greedily
+for N tokens (stopping after an EOS); every variant is then
 
-    teacher-forced  prefill(prompt) -> decode(ref token 0) -> ... -> decode(ref token N-2)
-                    its N rows against the reference's N rows (the rows that chose the tokens):
-                    top-1 agreement, KL(fp32 || variant) per position, max |delta logit|
-    free-running    its own plain greedy output (the runtime's `tokens(method="plain")`)
+    teacher-forced  the reference's N tokens through the variant's engine, in the calls a
+                    request alone makes (runtime/batch/forced.py): its N rows against the
+                    reference's N rows (the rows that chose the tokens): top-1 agreement,
+                    KL(fp32 || variant) per position, max |delta logit|
+    free-running    its own plain greedy output (`tokens(method="plain")`, with logprobs)
                     == the reference's N tokens: the greedy exact-match count
 
-as `identity.target_agreement` does at build time, but through each folder's own
-manifest and the runtime's loaded models (long prompts are prefilled in chunks, as the
-runtime does). Step costs are the median of a few decode (T=1) and verify (T=k+1) steps
-at one position, timed interleaved across the variants in the same run, so ratios
-between rows are comparable on a shared, noisy machine.
+and the teacher-forced rows are checked against the engine's own: wherever the variant's greedy
+output still shares the reference's context, its reported logprob must be the forced row's
+(a ParityError otherwise: the numbers would describe another computation than the engine's).
+Step costs are the median of a few plain (one token) and verify (k+1 tokens, where the engine
+verifies windows: not a `--batch-attention gqa` model's) one-row steps of that model at one
+position, timed interleaved across the variants in the same run, so ratios between rows are
+comparable on a shared, noisy machine.
 
 Imports the runtime only (no torch): it runs wherever the engines run.
 """
@@ -29,29 +35,36 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrt.driver import kl_rows
-from specrt.errors import ConfigError, TokenizerMismatchError
+from specrt.errors import ConfigError, ParityError, TokenizerMismatchError
 from specrt.runtime import SpeculativeGenerator
-from specrt.runtime.batch.one_row import prefill
+from specrt.runtime.batch.forced import teacher_forced
+from specrt.runtime.logprobs import token_logprob
 
 _REF = "\0reference"   # the reference's timing key when it is not one of the rows
-FIELDS = ("engines", "precision", "top1_agreement", "positions", "mean_kl", "max_abs_logit_delta",
+FIELDS = ("engines", "precision", "runs", "top1_agreement", "positions", "mean_kl", "max_abs_logit_delta",
           "greedy_exact_match", "greedy_prompts", "decode_ms", "verify_ms", "verify_tokens",
           "decode_x_reference", "verify_x_reference", "weights_bytes")
+LOGPROB_TOL = 1e-4     # the engine's logprob against the forced row's (the same calls: equal bits on CPU)
 
 
 def _load(engines: Sequence[str | Path], reference: str | Path, threads: int) -> tuple:
-    """One generator per distinct folder (the reference's is reused when it is listed)."""
-    loaded: dict[Path, SpeculativeGenerator] = {}
+    """One generator per distinct folder and engine: the variants on their requests' engine
+    ("auto"), the reference on its one-row graphs (reused when a variant runs them too)."""
+    loaded: dict[tuple[Path, str], SpeculativeGenerator] = {}
 
-    def get(p) -> SpeculativeGenerator:
-        key = Path(p).resolve()
+    def get(p, engine: str) -> SpeculativeGenerator:
+        key = (Path(p).resolve(), engine)
         if key not in loaded:   # "lookup" makes the verify graph ready; no draft is loaded
-            # the one-row graphs (engine="one-row"): the teacher-forced passes below step them directly
-            loaded[key] = SpeculativeGenerator(p, methods=("plain", "lookup"), threads=threads, engine="one-row")
+            loaded[key] = SpeculativeGenerator(p, methods=("plain", "lookup"), threads=threads, engine=engine)
         return loaded[key]
 
-    ref = get(reference)
-    variants = [(str(p), get(p)) for p in engines]
+    ref = get(reference, "one-row")
+    variants = []
+    for p in engines:
+        g = get(p, "auto")
+        if g.one.one_row and g.root.resolve() == ref.root.resolve():
+            g = ref                     # the same one-row graphs: one generator
+        variants.append((str(p), g))
     for name, g in variants:
         if g.vocab != ref.vocab or g.manifest.tokenizer["sha256"] != ref.manifest.tokenizer["sha256"]:
             raise TokenizerMismatchError(
@@ -60,61 +73,88 @@ def _load(engines: Sequence[str | Path], reference: str | Path, threads: int) ->
     return ref, variants
 
 
-def _reference_run(model, chunk: int, ids: list[int], n: int, eos: set[int]) -> tuple[np.ndarray, list[int]]:
-    """The reference's greedy continuation of `ids` (<= n tokens, EOS included) and the rows
-    that chose each token: rows [m, V], tokens [m]."""
-    row = prefill(model, chunk, ids)
-    rows, toks = [], []
-    for i in range(n):
-        rows.append(row.copy())
-        toks.append(int(row.argmax()))
-        if toks[-1] in eos or i == n - 1:
-            break
-        row = model.step("decode", toks[-1:], len(ids) + i)[0]
-    model.cache.rewind_to(len(ids) + len(toks) - 1)
-    return np.stack(rows), toks
+def runs(g: SpeculativeGenerator) -> str:
+    """What a folder's requests run, as the table names it."""
+    if g.one.one_row:
+        return "one-row graphs"
+    return f"batched model ({g.manifest.batch.source.get('attention', '?')})"
 
 
-def _teacher_forced(model, chunk: int, ids: list[int], toks: list[int]) -> np.ndarray:
-    """A variant's rows on the reference's tokens: rows [len(toks), V]."""
-    rows = [prefill(model, chunk, ids).copy()]
-    for i, t in enumerate(toks[:-1]):
-        rows.append(model.step("decode", [t], len(ids) + i)[0].copy())
-    model.cache.rewind_to(len(ids) + len(toks) - 1)
-    return np.stack(rows)
-
-
-def _greedy(gen: SpeculativeGenerator, ids: list[int], n: int, eos: set[int]) -> list[int]:
-    out = []
-    stream = gen.tokens(ids, max_new_tokens=n, method="plain")
+def _greedy(gen: SpeculativeGenerator, ids: list[int], n: int, eos: set[int]) -> tuple[list[int], list[float]]:
+    """The engine's own plain greedy output (<= n tokens, EOS included) and its logprobs."""
+    out, lps = [], []
+    stream = gen.tokens(ids, max_new_tokens=n, method="plain", logprobs=0)
     try:
         for e in stream:
             out.append(e.token)
+            lps.append(e.logprob.logprob)
             if e.token in eos:
                 break
     finally:
         stream.close()
-    return out
+    return out, lps
+
+
+def _check_engine(name: str, rows: np.ndarray, forced: list[int], own: list[int], lps: list[float]) -> None:
+    """The forced rows are the engine's own where the contexts agree: at each position up to
+    the first where its greedy token leaves `forced`, the logprob it reported is the row's."""
+    for i, (t, lp) in enumerate(zip(own, lps)):
+        if i >= len(rows):
+            return
+        want = token_logprob(rows[i], t, 0)[0]
+        if abs(want - lp) > LOGPROB_TOL:
+            raise ParityError(f"{name}: the teacher-forced pass gives token {t} at generated position {i} the "
+                              f"logprob {want:.6f}, the engine's own greedy run {lp:.6f}: the quality numbers would "
+                              "not describe what this folder runs (a specrt defect: report it with the manifest)")
+        if t != forced[i]:
+            return
+
+
+def _forced(name: str, g: SpeculativeGenerator, ids: list[int], forced: list[int], own: list[int],
+            lps: list[float]) -> np.ndarray:
+    """The engine's rows on `forced` [len(forced), V], checked against its own greedy output."""
+    rows = teacher_forced(g.one.engine, ids, forced)
+    _check_engine(name, rows, forced, own, lps)
+    return rows
+
+
+def _verifies(g: SpeculativeGenerator) -> bool:
+    """Does the folder's engine verify windows of k+1 tokens? (a `--batch-attention gqa` model does not)"""
+    if g.one.one_row:
+        return "verify" in g.manifest.target.graphs
+    return (g.manifest.batch.parity.get("window_invariance") or {}).get("equal") is True
+
+
+def _step(g: SpeculativeGenerator, graph: str, window: list[int], position: int) -> None:
+    eng = g.one.engine
+    T = eng._graph_t(graph, len(window), 1)
+    toks = np.zeros((1, T), np.int64)
+    toks[0, :len(window)] = window
+    eng.target.step(graph, toks, np.array([position], np.int64), 0, pad_start=0)
 
 
 def _step_costs(timed: list[tuple[str, SpeculativeGenerator]], position: int, tokens: list[int], rounds: int,
-                warmup: int = 2) -> dict[str, tuple[float, float, int]]:
-    """name -> (median decode ms, median verify ms, verify window), timed round by round
-    across the folders so that they share the machine's load."""
+                warmup: int = 2) -> dict[str, tuple[float, float | None, int]]:
+    """name -> (median plain step ms, median verify ms or None, verify window), one-row steps of
+    each folder's engine model, timed round by round across the folders so that they share the
+    machine's load."""
     times: dict[str, tuple[list, list]] = {name: ([], []) for name, _ in timed}
     for r in range(warmup + rounds):
         for name, g in timed:
             w = g.shapes.k + 1
-            window = (tokens * w)[:w]
             t0 = time.perf_counter()
-            g.target.step("decode", tokens[:1], position)
+            _step(g, "decode", tokens[:1], position)
             t1 = time.perf_counter()
-            g.target.step("verify", window, position)
+            if _verifies(g):
+                _step(g, "verify", (tokens * w)[:w], position)
             t2 = time.perf_counter()
             if r >= warmup:
                 times[name][0].append(1e3 * (t1 - t0))
                 times[name][1].append(1e3 * (t2 - t1))
-    return {name: (statistics.median(times[name][0]), statistics.median(times[name][1]), g.shapes.k + 1)
+    for _, g in timed:
+        g.one.engine.target.cache.forget(0)
+    return {name: (statistics.median(times[name][0]),
+                   statistics.median(times[name][1]) if _verifies(g) else None, g.shapes.k + 1)
             for name, g in timed}
 
 
@@ -139,16 +179,20 @@ def quality_table(engines: Sequence[str | Path], reference: str | Path, prompts:
     mismatched: dict[str, list[int]] = {name: [] for name, _ in variants}   # indices into `prompts`
     ends = []
     for j, ids in kept:
-        ref_rows, toks = _reference_run(ref.target, ref.shapes.prefill_chunk, ids, new_tokens, eos)
+        toks, lps = _greedy(ref, ids, new_tokens, eos)
+        ref_rows = _forced(f"the reference {reference}", ref, ids, toks, toks, lps)
         ends.append(len(ids) + len(toks))
         for name, g in variants:
             s = stats[name]
-            got = _teacher_forced(g.target, g.shapes.prefill_chunk, ids, toks)
+            own = toks
+            if g is not ref:
+                own, lps = _greedy(g, ids, new_tokens, eos)
+            got = ref_rows if g is ref else _forced(name, g, ids, toks, own, lps)
             s["agree"] += int((got.argmax(-1) == np.asarray(toks)).sum())
             s["positions"] += len(toks)
             s["kl"] += float(kl_rows(ref_rows, got).sum())
             s["delta"] = max(s["delta"], float(np.abs(got - ref_rows).max()))
-            if _greedy(g, ids, new_tokens, eos) == toks:
+            if own == toks:
                 s["exact"] += 1
             else:
                 mismatched[name].append(j)
@@ -159,24 +203,26 @@ def quality_table(engines: Sequence[str | Path], reference: str | Path, prompts:
     rows = []
     for name, g in variants:
         s, (dec, ver, w) = stats[name], costs[name]
+        entry = g.manifest.target if g.one.one_row else g.manifest.batch
         rows.append({
-            "engines": name, "precision": g.manifest.target.precision,
+            "engines": name, "precision": entry.precision, "runs": runs(g),
             "top1_agreement": s["agree"] / s["positions"], "positions": s["positions"],
             "mean_kl": s["kl"] / s["positions"], "max_abs_logit_delta": s["delta"],
             "greedy_exact_match": s["exact"], "greedy_prompts": len(kept),
             "greedy_mismatch_prompts": mismatched[name],
             "decode_ms": dec, "verify_ms": ver, "verify_tokens": w,
-            "decode_x_reference": dec / ref_cost[0], "verify_x_reference": ver / ref_cost[1],
-            "weights_bytes": int(g.manifest.target.weights["bytes"]),
+            "decode_x_reference": dec / ref_cost[0],
+            "verify_x_reference": None if ver is None or ref_cost[1] is None else ver / ref_cost[1],
+            "weights_bytes": int(entry.weights["bytes"]),
         })
     report = {
         "reference": str(reference), "new_tokens": new_tokens, "prompts": len(kept),
         "skipped_prompts": len(prompts) - len(kept), "threads": threads,
         "timing": {"position": position, "rounds": timing_rounds, "statistic": "median ms per step",
                    "interleaved": True},
-        "how": "teacher-forced on the reference's greedy continuation (chat template, stops after EOS); "
-               "KL(reference || variant) per position; greedy exact match = the variant's own plain greedy "
-               "output equals the reference's",
+        "how": "teacher-forced on the reference's greedy continuation (chat template, stops after EOS) through "
+               "the model each folder's requests run (runs), in a request's own calls; KL(reference || variant) "
+               "per position; greedy exact match = the variant's own plain greedy output equals the reference's",
         "variants": rows,
     }
     if out:
@@ -203,7 +249,7 @@ def held_out_quality(engines: Sequence[str | Path], reference: str | Path, *, pr
 def format_table(report: dict) -> str:
     n = max([len("engines")] + [len(r["engines"]) for r in report["variants"]])
     head = (f"{'engines':<{n}} {'precision':<13} {'top-1':>6} {'mean KL':>9} {'max|dlogit|':>11} "
-            f"{'greedy =':>9} {'decode ms':>9} {'verify ms':>9} {'decode x':>8} {'weights MB':>10}")
+            f"{'greedy =':>9} {'decode ms':>9} {'verify ms':>9} {'decode x':>8} {'weights MB':>10}  runs")
     lines = [f"quality vs {report['reference']}: {report['prompts']} held-out prompts x {report['new_tokens']} "
              f"tokens (teacher-forced on the reference's greedy text); step costs: median of "
              f"{report['timing']['rounds']} interleaved steps at position {report['timing']['position']}, "
@@ -212,9 +258,11 @@ def format_table(report: dict) -> str:
         lines.append(f"{r['engines']:<{n}} {r['precision'][:13]:<13} {r['top1_agreement']:>6.3f} "
                      f"{r['mean_kl']:>9.5f} {r['max_abs_logit_delta']:>11.3f} "
                      f"{r['greedy_exact_match']:>4}/{r['greedy_prompts']:<4} {r['decode_ms']:>9.2f} "
-                     f"{r['verify_ms']:>9.2f} {r['decode_x_reference']:>8.2f} {r['weights_bytes'] / 1e6:>10.1f}")
-    lines.append(f"(verify = one T=k+1 step, k+1 = {', '.join(sorted({str(r['verify_tokens']) for r in report['variants']}))}; "
-                 "decode x = decode step cost relative to the reference's)")
+                     + (f"{r['verify_ms']:>9.2f}" if r["verify_ms"] is not None else f"{'-':>9}")
+                     + f" {r['decode_x_reference']:>8.2f} {r['weights_bytes'] / 1e6:>10.1f}  {r['runs']}")
+    lines.append(f"(verify = one T=k+1 step, k+1 = {', '.join(sorted({str(r['verify_tokens']) for r in report['variants']}))}, "
+                 "- where the engine verifies no windows; decode x = plain step cost relative to the reference's "
+                 "one-row graphs; runs = the model each folder's requests run, which the row measures)")
     return "\n".join(lines)
 
 

@@ -169,3 +169,29 @@ def test_record_writes_each_row_into_its_own_manifest_and_inspect_shows_it(tiny_
     assert "quality    vs " in capsys.readouterr().out
     SpeculativeGenerator(int4, methods=("plain",))     # the files and their hashes are untouched
     assert mf.load(tiny_builds[1]).quality is None       # only the folders named were written
+
+
+def test_a_batch_folder_is_measured_on_its_batched_model(tiny_builds, tiny_batch_engines, tmp_path, capsys):
+    """A --batch folder's requests run its batched model (here GroupQueryAttention steps, int8 prompt
+    weights), so its row measures that model (runtime/batch/forced.py), says so, and times no
+    verify window where the model verifies none; `specrt inspect` names what the recorded row measured."""
+    import shutil
+
+    from specrt.cli import main
+    from specrt.tools.quality import quality_table
+    fp32, int4 = tiny_builds
+    report = quality_table([tiny_batch_engines, int4], fp32, SHORT[:4], new_tokens=8, timing_rounds=1, out=None)
+    batched, one_row = report["variants"]
+    assert batched["runs"] == "batched model (gqa)" and one_row["runs"] == "one-row graphs"
+    assert batched["verify_ms"] is None and batched["verify_x_reference"] is None and batched["decode_ms"] > 0
+    assert one_row["verify_ms"] > 0 and batched["precision"] == "int4"
+    assert batched["top1_agreement"] < 1.0 and batched["mean_kl"] > 0
+    copy = shutil.copytree(tiny_batch_engines, tmp_path / "batch")
+    prompts = tmp_path / "short.txt"
+    prompts.write_text("\n".join(SHORT) + "\n")
+    assert main(["quality", str(copy), "--reference", str(fp32), "--prompts", str(prompts), "--eval", "2",
+                 "--new-tokens", "4", "--record"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(str(copy)))
+    assert line.split()[7] == "-" and line.endswith("batched model (gqa)")     # verify ms; runs
+    assert main(["inspect", str(copy)]) == 0
+    assert "of its batched model (gqa)" in capsys.readouterr().out

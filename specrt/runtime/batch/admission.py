@@ -116,22 +116,13 @@ class Admission:
         if len(self.admitting) > 1:
             return self._prefill_group()
         row, slot = self.admitting[0], len(self.rows)
-        # a request alone: the larger chunk (the same bits, builder/gates/chunks.py), as nothing
-        # waits on this step; beside running rows the folder's chunk bounds their wait
-        alone = not self.rows and not self._own_draft
-        prompt, T = row.req.prompt, self.lone_prefill_tokens if alone else self.prefill_tokens
-        chunk = prompt[row.length:row.length + T]
-        if not self.target.graph_tokens.get("prefill", 0):
-            # a graph with a symbolic T runs the chunk unpadded (a short prompt's last chunk costs
-            # its own tokens); the row is alone in the call, so its T depends on its prompt only
-            T = max(len(chunk), self.target.min_rows, self.min_tokens)
+        C = self._prompt_chunk()
+        chunk = row.req.prompt[row.length:row.length + C]
+        T, lo = self._chunk_call(len(chunk), C)
         self._tokens[0, :T] = 0
         self._tokens[0, :len(chunk)] = chunk
         self._starts[0] = row.length
-        # logits of the chunk's last token only (the LM head is a fifth of a chunk's cost), over
-        # at least min_rows positions; the row is alone in the call, so they depend on its prompt only
         positions = self._positions[:1]
-        lo = max(len(chunk) - positions.shape[1], 0)
         np.add(self._offsets, lo, out=positions[0])
         # (a padding row, where the model pads odd calls, goes after the pending row: free)
         trace.push("prefill")
@@ -157,6 +148,23 @@ class Admission:
         while self._unforked:
             self._fork(row, slot, last)
         return len(chunk)
+
+    def _prompt_chunk(self) -> int:
+        """The prompt tokens the next call of one request's prompt carries: a request alone (no
+        row running, no draft model of its own) the larger chunk (the same bits,
+        builder/gates/chunks.py), as nothing waits on this step; beside running rows the
+        folder's chunk bounds their wait."""
+        return self.lone_prefill_tokens if not self.rows and not self._own_draft else self.prefill_tokens
+
+    def _chunk_call(self, n: int, chunk: int) -> tuple[int, int]:
+        """(T, lo) of a one-row prompt call carrying n tokens in chunks of `chunk`: its token
+        window (the chunk, padded, for a graph of static T; a graph with a symbolic T runs it
+        unpadded, so a short prompt's last chunk costs its own tokens; the row is alone in the
+        call, so its T depends on its prompt only) and the first of the
+        positions whose logits it returns: the chunk's last token's, over at least min_rows
+        positions (the LM head is a fifth of a chunk's cost). Also forced.py's."""
+        T = chunk if self.target.graph_tokens.get("prefill", 0) else max(n, self.target.min_rows, self.min_tokens)
+        return T, max(n - self._positions.shape[1], 0)
 
     def _prefill_group(self) -> int:
         """The next chunk of every admitted row's prompt, in one call (module docstring);
