@@ -252,7 +252,8 @@ def one_row_engine(root, man, target, draft, tokenizer, graphs: tuple[str, ...] 
 def prefill(runner, chunk: int, prompt) -> np.ndarray:
     """Feed `prompt` through a one-row runner's prefill graph in chunks of `chunk` tokens; the
     logits row [V] of its last token (a reused buffer). For tools that step a folder's one-row
-    graphs directly (`specrt quality`'s teacher-forced passes, scripts/gpu_check.py)."""
+    graphs directly (scripts/gpu_check.py, tests; `specrt quality` forces through the engine:
+    runtime/batch/forced.py)."""
     last = None
     for start in range(0, len(prompt), chunk):
         part = prompt[start:start + chunk]
