@@ -269,7 +269,9 @@ def describe(man: mf.Manifest) -> str:
         f32 = par.get("agreement_with_fp32")
         if f32:
             lines.append(f"  vs fp32  top-1 agreement {f32['top1_agreement']:.3f} over {f32['positions']} positions, "
-                         f"mean KL {f32.get('mean_kl', float('nan')):.3f}")
+                         f"mean KL {f32.get('mean_kl', float('nan')):.3f}"
+                         + (" (these one-row graphs: the folder's requests run its batched model, which `specrt "
+                            "quality` measures)" if role == "target" and man.batch is not None else ""))
         for key, what in (("agreement_with_target", "target"), ("agreement_with_fp32_target", "fp32 target")):
             ag = par.get(key)
             if ag:

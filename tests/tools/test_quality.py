@@ -166,7 +166,8 @@ def test_record_writes_each_row_into_its_own_manifest_and_inspect_shows_it(tiny_
     assert 0 <= q["row"]["top1_agreement"] < 1.0 and q["row"]["engines"] == str(int4)
     assert mf.load(fp32).quality["row"]["top1_agreement"] == 1.0
     assert main(["inspect", str(int4)]) == 0
-    assert "quality    vs " in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "quality    vs " in shown and ", of its one-row graphs (specrt" in shown and "these one-row graphs" not in shown
     SpeculativeGenerator(int4, methods=("plain",))     # the files and their hashes are untouched
     assert mf.load(tiny_builds[1]).quality is None       # only the folders named were written
 
@@ -194,4 +195,7 @@ def test_a_batch_folder_is_measured_on_its_batched_model(tiny_builds, tiny_batch
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(str(copy)))
     assert line.split()[7] == "-" and line.endswith("batched model (gqa)")     # verify ms; runs
     assert main(["inspect", str(copy)]) == 0
-    assert "of its batched model (gqa)" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "of its batched model (gqa)" in shown
+    # the build's own figure is its one-row graphs', and says so where requests run the batched model
+    assert "vs fp32  top-1 agreement" in shown and "(these one-row graphs: the folder's requests run" in shown
