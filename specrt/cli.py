@@ -182,6 +182,7 @@ def cmd_serve(a) -> int:
     except ModuleNotFoundError as e:
         raise SpecrtError(f"`specrt serve` needs the serve extra ({e.name} is missing): "
                           "pip install 'specrt[serve]'") from None
+    _serving_hint(a.engines, a.max_num_seqs or 1)
     return serve(ServeConfig(a.engines, host=a.host, port=a.port, workers=a.workers, max_num_seqs=a.max_num_seqs,
                              queue_size=a.queue_size, prefill_budget=a.prefill_budget, head=a.head,
                              timeout=a.timeout, memory=a.memory, threads=a.threads, model_name=a.model_name,
@@ -191,6 +192,21 @@ def cmd_serve(a) -> int:
                              cors_origins=tuple(a.cors_origin), max_body_bytes=a.max_body_bytes,
                              read_timeout=a.read_timeout, keep_alive=a.keep_alive,
                              max_connections=a.max_connections))
+
+
+def _serving_hint(engines: str, max_num_seqs: int) -> None:
+    """A note on stderr where the folder's kernel table says another precision's weights run the
+    server's widest step much faster (tools/describe.py serving_hint); silent otherwise, and on a
+    folder the server will refuse (it says why)."""
+    from specrt import manifest as mf
+    from specrt.tools.describe import serving_hint
+    try:
+        table = (mf.load(engines).build or {}).get("kernels")
+    except SpecrtError:
+        return
+    hint = serving_hint(table, max_num_seqs) if isinstance(table, dict) and "error" not in table else None
+    if hint:
+        print(f"specrt: note: {hint}", file=sys.stderr)
 
 
 def cmd_triton_repo(a) -> int:

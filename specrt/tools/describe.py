@@ -144,6 +144,27 @@ def kernel_summary(table: dict) -> str | None:
             "(a family is a --precision: another model, `specrt quality` shows its faithfulness)")
 
 
+def serving_hint(table: dict, max_num_seqs: int) -> str | None:
+    """`specrt serve`'s note when the kernel table says another family's weight MatMuls are much
+    faster (< x0.9) at the widest decode step this server runs (the table's largest "decode, N
+    requests" with 1 < N <= max_num_seqs); None otherwise, and for one row (the single stream)."""
+    steps = [sh for sh in table.get("shapes") or [] if sh.get("tokens") == 1 and sh.get("model", "batch") == "batch"
+             and str(sh.get("use", "")).startswith("decode, ") and isinstance(sh.get("rows"), int)
+             and 1 < sh["rows"] <= max_num_seqs]
+    if not steps:
+        return None
+    widest = max(steps, key=lambda sh: sh["rows"])
+    hit = [(best, ratio) for sh, best, ratio in kernel_faster(table) if sh is widest]
+    if not hit:
+        return None
+    best, ratio = hit[0]
+    ms = widest["ms"]
+    return (f"at {widest['rows']} requests a step's weight MatMuls take {ms[widest['runs']]:.1f} ms in this folder's "
+            f"{widest['runs']} and {ms[best]:.1f} ms in {best} (x{ratio:.2f}, measured by {table.get('measured_by')}): "
+            f"to serve many requests at once, a build with --precision {best} may be faster (another model: "
+            "`specrt quality` shows its faithfulness; docs/batching.md)")
+
+
 def kernel_lines(table: dict) -> list[str]:
     """`specrt inspect`'s rendering: one row per runtime shape, * on the family it runs."""
     if "error" in table:

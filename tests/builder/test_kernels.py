@@ -3,6 +3,8 @@ the shapes the folder's runtime runs, beside the family each shape runs. Timings
 never asserted (CI is a busy machine): these tests check what is timed and what is claimed."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -175,6 +177,47 @@ def test_the_summary_names_where_another_family_is_faster():
     assert "1 of 3" in line and "decode, 24 requests, int8row x0.50" in line
     table["shapes"][1]["ms"]["int8row"] = 17.0                 # within 10%: nothing to say
     assert kernel_summary(table) is None
+
+
+def _step(use, rows, runs, ms, tokens=1, model="batch"):
+    return {"use": use, "rows": rows, "tokens": tokens, "model": model, "runs": runs, "ms": ms,
+            "fastest": min(ms, key=ms.get)}
+
+
+def test_the_server_notes_a_faster_family_at_its_widest_step():
+    """specrt serve --max-num-seqs N: the widest decode step the table has at or below N decides;
+    one row, draft shapes, windows and another model's shapes never do."""
+    from specrt.tools.describe import serving_hint
+    table = {"measured_by": "specrt retime", "shapes": [
+        _step("decode, 1 request", 1, "int4", {"int4": 4.0, "int8row": 2.0}),
+        _step("decode, 8 requests", 8, "int4", {"int4": 8.0, "int8row": 7.6}),
+        _step("decode, 24 requests", 24, "int4", {"int4": 18.0, "int8row": 9.0}),
+        _step("verify windows, 8 requests", 8, "int4", {"int4": 30.0, "int8row": 10.0}, tokens=5),
+        _step("int8 self-draft, 8 requests", 8, "int8", {"int8": 30.0, "int8row": 10.0}),
+        _step("draft model, 8 requests", 8, "int4", {"int4": 30.0, "int8row": 10.0}, model="batch_draft")]}
+    assert serving_hint(table, 1) is None                   # the single stream: not this note
+    assert serving_hint(table, 16) is None                  # 8 rows: int8row within 10%
+    note = serving_hint(table, 32)
+    assert note.startswith("at 24 requests") and "18.0 ms in this folder's int4 and 9.0 ms in int8row (x0.50" in note
+    assert "--precision int8row" in note and "specrt retime" in note
+    table["shapes"][2]["runs"] = "int8row"                  # the folder already runs the fastest
+    assert serving_hint(table, 32) is None
+    assert serving_hint({"shapes": []}, 8) is None
+
+
+def test_serve_prints_the_note_before_loading(tiny_batch_engines, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from specrt import cli
+    folder = shutil.copytree(tiny_batch_engines, tmp_path / "eng")
+    man = mf.load(folder)
+    table = {"measured_by": "a test", "shapes": [_step("decode, 8 requests", 8, "int4", {"int4": 8.0, "int8row": 4.0})]}
+    dataclasses.replace(man, build={**man.build, "kernels": table}).save(folder)
+    cli._serving_hint(str(folder), 8)
+    assert "specrt: note: at 8 requests" in capsys.readouterr().err
+    cli._serving_hint(str(folder), 1)
+    cli._serving_hint(str(tmp_path / "missing"), 8)          # the server says why it cannot start: no note
+    assert capsys.readouterr().err == ""
 
 
 def test_a_separate_draft_is_timed_on_its_own_layers(tiny_engines):
