@@ -208,15 +208,15 @@ def test_the_server_notes_a_faster_family_at_its_widest_step():
 def test_serve_prints_the_note_before_loading(tiny_batch_engines, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from specrt import cli
+    from specrt import commands
     folder = shutil.copytree(tiny_batch_engines, tmp_path / "eng")
     man = mf.load(folder)
     table = {"measured_by": "a test", "shapes": [_step("decode, 8 requests", 8, "int4", {"int4": 8.0, "int8row": 4.0})]}
     dataclasses.replace(man, build={**man.build, "kernels": table}).save(folder)
-    cli._serving_hint(str(folder), 8)
+    commands._serving_hint(str(folder), 8)
     assert "specrt: note: at 8 requests" in capsys.readouterr().err
-    cli._serving_hint(str(folder), 1)
-    cli._serving_hint(str(tmp_path / "missing"), 8)          # the server says why it cannot start: no note
+    commands._serving_hint(str(folder), 1)
+    commands._serving_hint(str(tmp_path / "missing"), 8)          # the server says why it cannot start: no note
     assert capsys.readouterr().err == ""
 
 

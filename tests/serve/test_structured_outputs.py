@@ -166,7 +166,7 @@ def test_a_true_schema_is_any_json_value(client, live):
 def test_an_inline_schema_too_long_to_be_a_path_is_read_as_a_schema():
     import argparse
 
-    from specrt.cli import _structured
+    from specrt.commands import _structured
     schema = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}})
     assert len(schema) > 300 and "/" not in schema
     a = argparse.Namespace(json_schema=schema, regex=None, choice=None, grammar=None)
