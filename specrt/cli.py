@@ -1,4 +1,6 @@
-"""specrt command line: the parser and `main`; the subcommands are in commands.py.
+"""specrt command line: build, generate, bench, inspect.
+
+The parser and `main`; each subcommand's `cmd_<name>` is in commands.py.
 
 `build` imports the exporter (torch); the other commands import only the runtime.
 """
