@@ -250,8 +250,18 @@ class SpeculativeGenerator(TextStreaming):
             fixed = adaptive is False if self.target is not None else None
         return self._tokens(prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs)
 
-    def _tokens(self, prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs) \
-            -> Iterator[Emitted]:
+    def teacher_forced(self, prompt_ids: list[int], forced: list[int]):
+        """The logits [len(forced), V] this folder's engine gives at each position of `forced` after
+        `prompt_ids`, in the calls a request alone makes (runtime/batch/forced.py; `specrt
+        quality`). Holds the generator as a generation does: refused while one runs."""
+        from specrt.runtime.batch.forced import teacher_forced
+        self._acquire()
+        try:
+            return teacher_forced(self.one.engine, list(prompt_ids), list(forced))
+        finally:
+            self._busy.release()
+
+    def _acquire(self) -> None:
         if not self._busy.acquire(blocking=False):
             gc.collect()   # an abandoned stream kept alive only by a reference cycle is closed here
             if not self._busy.acquire(blocking=False):
@@ -259,6 +269,10 @@ class SpeculativeGenerator(TextStreaming):
                     "this SpeculativeGenerator is already generating (another stream of it is open, or another "
                     "thread is using it); its caches hold one generation at a time: finish or close() the other "
                     "stream first, or give each thread or worker its own SpeculativeGenerator")
+
+    def _tokens(self, prompt_ids, max_new_tokens, sampling, method, ngram, fixed, grammar, logprobs) \
+            -> Iterator[Emitted]:
+        self._acquire()
         try:
             P = len(prompt_ids)
             m = self.last_metrics = Metrics(method=method.value, k=0 if method is Method.PLAIN else self.k,

@@ -37,7 +37,6 @@ import numpy as np
 from specrt.driver import kl_rows
 from specrt.errors import ConfigError, ParityError, TokenizerMismatchError
 from specrt.runtime import SpeculativeGenerator
-from specrt.runtime.batch.forced import teacher_forced
 from specrt.runtime.logprobs import token_logprob
 
 _REF = "\0reference"   # the reference's timing key when it is not one of the rows
@@ -113,7 +112,7 @@ def _check_engine(name: str, rows: np.ndarray, forced: list[int], own: list[int]
 def _forced(name: str, g: SpeculativeGenerator, ids: list[int], forced: list[int], own: list[int],
             lps: list[float]) -> np.ndarray:
     """The engine's rows on `forced` [len(forced), V], checked against its own greedy output."""
-    rows = teacher_forced(g.one.engine, ids, forced)
+    rows = g.teacher_forced(ids, forced)
     _check_engine(name, rows, forced, own, lps)
     return rows
 

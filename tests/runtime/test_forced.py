@@ -76,7 +76,10 @@ def test_forcing_refuses_a_busy_engine_and_a_long_continuation(tiny_batch_rows_e
     next(stream)
     with pytest.raises(ConcurrentUseError, match="idle engine"):
         teacher_forced(gen.one.engine, PROMPT, [1, 2])
+    with pytest.raises(ConcurrentUseError, match="already generating"):    # the generator's own guard
+        gen.teacher_forced(PROMPT, [1, 2])
     stream.close()
+    assert gen.teacher_forced(PROMPT, [1, 2]).shape == (2, gen.vocab)    # free again
     room = gen.one.engine.max_context
     with pytest.raises(ContextLengthError, match=f"holds {room}"):
         teacher_forced(gen.one.engine, PROMPT, [1] * (room - len(PROMPT) + 2))

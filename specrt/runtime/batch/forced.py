@@ -12,7 +12,9 @@ log_softmax: `specrt quality` checks that on every prompt (tools/quality.py), so
 number describes what the folder's requests run, not a graph none of them runs.
 
 The engine must be idle (no request held): the passes use cache row 0, which the next request
-overwrites from its first position.
+overwrites from its first position. The check is not atomic: callers reach it through
+`SpeculativeGenerator.teacher_forced`, which holds the generator as a generation does (one at a
+time; ConcurrentUseError otherwise).
 """
 from __future__ import annotations
 
