@@ -65,7 +65,7 @@ class System:
     @property
     def missing(self) -> str | None:
         how = {"specrt-server": "make engines engines-int4 (engines-int8row, engines-int8row-gqa, engines-int4-same, -gqa, -b64, -b128)", "specrt-stream": "make engines engines-int4",
-               "specrt-batch": "make engines-int4 (engines-int8row, engines-int4-b128)",
+               "specrt-batch": "make engines-int4 (engines-int8row, engines-int8row-gqa, engines-int4-b128)",
                "genai": "make venv-peers && .venv/bin/python benchmarks/run_peers.py build",
                "llama": "make llama-server (and benchmarks/run_peers.py build for the F32 GGUF)",
                "openvino": "make venv-openvino && .venv/bin/python benchmarks/run_peers.py build"}[self.kind]
@@ -108,6 +108,8 @@ SYSTEMS = {s.name: s for s in [
     System("specrt-int4-inproc", "specrt int4 batched, in process", "specrt-batch", ROOT / "artifacts/smollm2-int4"),
     System("specrt-int8row-inproc", "specrt int8row batched, in process", "specrt-batch",
            ROOT / "artifacts/smollm2-int8row"),
+    System("specrt-int8rowgqa-inproc", "specrt int8row gqa attention batched, in process", "specrt-batch",
+           ROOT / "artifacts/smollm2-int8row-gqa"),
     System("specrt-int4b128-inproc", "specrt int4 batched block 128, in process", "specrt-batch",
            ROOT / "artifacts/smollm2-int4-b128"),
     System("specrt-fp32-stream", "specrt fp32 single stream", "specrt-stream", ROOT / "artifacts/smollm2",
