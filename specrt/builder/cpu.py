@@ -29,7 +29,7 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     from tqdm.auto import tqdm
 
     from specrt.builder import manifest_writer
-    from specrt.builder.gates import measure
+    from specrt.builder.gates import identity, measure
     from specrt.calibration import int8
     from specrt.export import onnx_export, parity, sources
     from specrt.runtime.tokenizer import Tokenizer
@@ -63,7 +63,11 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
     tok_info = steps.save_tokenizer(tgt, tmp)
     tok = Tokenizer(tmp, tok_info)        # the runtime's: the build's prompts are encoded as it encodes them
     prompts = steps.prompt_ids(tok, tgt.dims.vocab)
-    part = _quantized_target(cfg, tgt, fp32_dir, fp32, tmp / "target", prompts) if cfg.precision != "fp32" else fp32
+    # the fp32 export's greedy continuations: what a quantized target's one-row graphs, and (after
+    # the manifest is written) what a --batch folder's requests run, are measured against
+    refs = identity.fp32_reference(fp32_dir, fp32, shapes, prompts) if cfg.precision != "fp32" or cfg.batch else None
+    part = _quantized_target(cfg, tgt, fp32_dir, fp32, tmp / "target", prompts, refs) \
+        if cfg.precision != "fp32" else fp32
     part["parity"]["identity"] = _check_identity(cfg, tmp / "target", part, prompts)
     part.update(subdir="target", family=tgt.spec.family, precision=cfg.precision,
                 source={**tgt.identity, **part.pop("derived", {}), "tokenizer_sha256": tok_info["sha256"],
@@ -183,6 +187,10 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
             log.warning("%s", quiet.warning(timed))
     man.build["seconds"] = round(time.perf_counter() - t_start, 1)
     manifest_writer.save_manifest(man, tmp)
+    if cfg.batch:     # the vs-fp32 figure of what every request runs: the batched model, loaded as served
+        bar.set_postfix_str("the batched model against fp32")
+        man.models["batch"].parity["agreement_with_fp32"] = identity.requests_agreement(tmp, refs, cfg.threads)
+        manifest_writer.save_manifest(man, tmp)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)
@@ -211,7 +219,7 @@ def _speculation_plan(tmp: Path, parts: dict, shapes) -> dict:
     return plan.plan(costs, plan.draft_acceptance(d), shapes.k)
 
 
-def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts) -> dict:
+def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir: Path, prompts, refs) -> dict:
     """The target's prefill/decode/verify graphs quantized as cfg.precision says, with
     their agreement with the fp32 export measured on real prompts. With int8 compute the
     decode graph is exported for 2 rows (builder/gates/rows.py): a plain step pads one row, so
@@ -234,8 +242,7 @@ def _quantized_target(cfg: BuildConfig, tgt, fp32_dir: Path, fp32: dict, out_dir
                            "in the second row at the same cost" if wide else "exported for T=1")
     # the export's parity vs torch describes the fp32 graphs, not these: kept, but under its own key
     part["parity"] = {"fp32_export": fp32["parity"],
-                      "agreement_with_fp32": identity.target_agreement(fp32_dir, fp32, out_dir, part, cfg.shapes,
-                                                                       prompts)}
+                      "agreement_with_fp32": identity.target_agreement(refs, out_dir, part, cfg.shapes)}
     kind = (f"{how.get('bits')}-bit, block {how.get('block_size')}, {how.get('compute')} compute"
             if spec.method == "matmulnbits" else f"{how['weight_range']} per channel, {how['activations']}")
     part["derived"] = {"derived": f"{cfg.precision} ({how['method']}, {kind}, LM head "

@@ -186,6 +186,19 @@ def kernel_lines(table: dict) -> list[str]:
     return out
 
 
+def _fp32_figure_of(role: str, man: mf.Manifest) -> str:
+    """What a model's build-time "vs fp32" figure describes, where a folder has two models."""
+    if man.batch is None:
+        return ""
+    if role == "batch":
+        return " (the batched model, as every request runs it)"
+    if role == "target":
+        own = (man.batch.parity or {}).get("agreement_with_fp32")
+        return (" (these one-row graphs: the folder's requests run its batched model, "
+                + ("measured below)" if own else "which `specrt quality` measures)"))
+    return ""
+
+
 def describe(man: mf.Manifest) -> str:
     s = man.shapes
     choice = man.build.get("backend") or {}
@@ -291,8 +304,7 @@ def describe(man: mf.Manifest) -> str:
         if f32:
             lines.append(f"  vs fp32  top-1 agreement {f32['top1_agreement']:.3f} over {f32['positions']} positions, "
                          f"mean KL {f32.get('mean_kl', float('nan')):.3f}"
-                         + (" (these one-row graphs: the folder's requests run its batched model, which `specrt "
-                            "quality` measures)" if role == "target" and man.batch is not None else ""))
+                         + _fp32_figure_of(role, man))
         for key, what in (("agreement_with_target", "target"), ("agreement_with_fp32_target", "fp32 target")):
             ag = par.get(key)
             if ag:

@@ -4,9 +4,11 @@ build of the same target does not, and the JSON report carries every field."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from specrt import manifest as mf
 from specrt.calibration.dataset import SHIPPED, Prompt, load_prompts, split
 from specrt.errors import ConfigError
 
@@ -199,3 +201,41 @@ def test_a_batch_folder_is_measured_on_its_batched_model(tiny_builds, tiny_batch
     assert "of its batched model (gqa)" in shown
     # the build's own figure is its one-row graphs', and says so where requests run the batched model
     assert "vs fp32  top-1 agreement" in shown and "(these one-row graphs: the folder's requests run" in shown
+
+
+def _fp32_refs(folder: Path) -> list[dict]:
+    """What the build measured a folder against, again: the fp32 export's greedy continuations
+    of the build's prompts (an fp32 folder's target graphs are its fp32 export)."""
+    from specrt.builder import steps
+    from specrt.builder.gates import identity
+    from specrt.runtime.tokenizer import Tokenizer
+    man = mf.load(folder)
+    t = man.target
+    part = {"graphs": {g: {"file": Path(e.file).name, "tokens": e.tokens} for g, e in t.graphs.items()}, "dims": t.dims}
+    prompts = steps.prompt_ids(Tokenizer(folder, man.tokenizer), int(t.dims["vocab"]))
+    return identity.fp32_reference(folder / "target", part, man.shapes, prompts)
+
+
+def test_the_build_records_what_a_batch_folders_requests_run(tiny_batch_rows_engines, tiny_batch_engines, capsys):
+    """A --batch build measures its batched model against fp32 as every request runs it
+    (identity.requests_agreement: the engine's own calls, runtime/batch/forced.py) and records it
+    beside the one-row graphs' figure; `specrt inspect` shows both and says which is which."""
+    from specrt.builder.gates import identity
+    from specrt.cli import main
+    folder = tiny_batch_rows_engines                        # fp32: its target graphs are the reference
+    rec = mf.load(folder).batch.parity["agreement_with_fp32"]
+    assert rec["model"].startswith("the batched model (rows)") and rec["positions"] > 0
+    again = identity.requests_agreement(folder, _fp32_refs(folder), 2)
+    assert again == rec                                     # the record is that measurement, to the bit
+    assert rec["top1_agreement"] == 1.0 and rec["mean_kl"] < 1e-6   # fp32 rows: the one-row model to rounding
+    # int4: the batched model (GroupQueryAttention, int8 prompt weights) is another model than the
+    # one-row int4 graphs, measured on the same positions of the same continuations
+    man = mf.load(tiny_batch_engines)
+    batched, one_row = man.batch.parity["agreement_with_fp32"], man.target.parity["agreement_with_fp32"]
+    assert batched["positions"] == one_row["positions"] > 0 and batched["mean_kl"] != one_row["mean_kl"]
+    assert batched["model"].startswith("the batched model (gqa)") and "model" not in one_row
+    assert main(["inspect", str(tiny_batch_engines)]) == 0
+    shown = capsys.readouterr().out
+    assert "(these one-row graphs: the folder's requests run its batched model, measured below)" in shown
+    assert f"top-1 agreement {batched['top1_agreement']:.3f} over {batched['positions']} positions, mean KL " \
+           f"{batched['mean_kl']:.3f} (the batched model, as every request runs it)" in shown

@@ -80,33 +80,65 @@ def decode_verify_agreement(model_dir: Path, part: dict, shapes: mf.Shapes, toke
                       else "")}
 
 
-def target_agreement(reference_dir: Path, reference: dict, model_dir: Path, part: dict, shapes: mf.Shapes,
-                     token_lists: list[list[int]], n_new: int = 24) -> dict:
-    """Teacher-forced agreement of a quantized target with the fp32 one on the fp32 greedy
-    continuation of each prompt: top-1 agreement, mean KL(fp32 || variant), max |delta logit|."""
-    agree = total = 0
-    kl_sum, max_delta = 0.0, 0.0
+def fp32_reference(reference_dir: Path, reference: dict, shapes: mf.Shapes, token_lists: list[list[int]],
+                   n_new: int = 24) -> list[dict]:
+    """The fp32 export's greedy continuation of each prompt (its first prefill chunk) and the
+    rows that chose it: [{"ids", "tokens": n+1, "rows": [n+1, V]}], row i the logits at
+    position P-1+i. The reference of target_agreement and of requests_agreement."""
     C = shapes.prefill_chunk
     ref_gs = GraphSet(reference_dir, {g: reference["graphs"][g] for g in ("prefill", "decode")},
                       reference["dims"], shapes.kv_capacity)
+    out = []
+    for ids in token_lists:
+        ids = list(ids[:C])
+        n = max(0, min(n_new, shapes.max_context - len(ids) - 1))
+        ref_gs.reset()
+        run = greedy(ref_gs, ids, n + 1, keep_rows=True)
+        out.append({"ids": ids, "tokens": list(run.tokens[:n + 1]), "rows": np.stack(run.rows)})
+    return out
+
+
+def _agreement(refs: list[dict], got: list[np.ndarray], reference: str) -> dict:
+    agree = total = 0
+    kl_sum, max_delta = 0.0, 0.0
+    for r, rows in zip(refs, got):
+        ref = r["rows"]
+        agree += int((rows.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ref)
+        max_delta = max(max_delta, float(np.abs(rows - ref).max()))
+        kl_sum += float(kl_rows(ref, rows).sum())
+    return {"top1_agreement": agree / total if total else 0.0, "positions": total,
+            "mean_kl": kl_sum / total if total else 0.0, "max_abs_logit_delta": max_delta, "reference": reference}
+
+
+def target_agreement(refs: list[dict], model_dir: Path, part: dict, shapes: mf.Shapes) -> dict:
+    """Teacher-forced agreement of a quantized target's one-row graphs with the fp32 one on the
+    fp32 greedy continuation of each prompt (fp32_reference): top-1 agreement, mean KL(fp32 ||
+    variant), max |delta logit|."""
     gs = GraphSet(model_dir, {g: part["graphs"][g] for g in ("prefill", "decode")}, part["dims"],
                   shapes.kv_capacity)
-    for ids in token_lists:
-        ids = ids[:C]
-        P = len(ids)
-        n = max(0, min(n_new, shapes.max_context - P - 1))
-        ref_gs.reset()
+    got = []
+    for r in refs:
+        ids, P = r["ids"], len(r["ids"])
+        seq = ids + r["tokens"]
         gs.reset()
-        run = greedy(ref_gs, ids, n + 1, keep_rows=True)
-        seq, ref = list(ids) + run.tokens[:n], np.stack(run.rows)   # ref [n+1, V]: positions P-1 .. P+n-1
-        got = [gs.step("prefill", ids, 0)[P - 1].copy()]
-        for i in range(n):
-            got.append(gs.step("decode", seq[P + i:P + i + 1], P + i)[0].copy())
-        got = np.stack(got)
-        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-        total += len(ref)
-        max_delta = max(max_delta, float(np.abs(got - ref).max()))
-        kl_sum += float(kl_rows(ref, got).sum())
-    return {"top1_agreement": agree / total if total else 0.0, "positions": total,
-            "mean_kl": kl_sum / total if total else 0.0, "max_abs_logit_delta": max_delta,
-            "reference": "the fp32 export, teacher-forced on its own greedy continuations"}
+        rows = [gs.step("prefill", ids, 0)[P - 1].copy()]
+        for i in range(len(r["tokens"]) - 1):
+            rows.append(gs.step("decode", seq[P + i:P + i + 1], P + i)[0].copy())
+        got.append(np.stack(rows))
+    return _agreement(refs, got, "the fp32 export, teacher-forced on its own greedy continuations")
+
+
+def requests_agreement(folder: Path, refs: list[dict], threads: int) -> dict:
+    """The same agreement measured on what a built folder's requests run (a `--batch` folder's
+    batched model, through the engine's own calls: runtime/batch/forced.py), where the one-row
+    graphs' figure (target_agreement) describes graphs no request runs."""
+    from specrt.runtime import SpeculativeGenerator
+    gen = SpeculativeGenerator(folder, methods=("plain",), threads=threads)
+    if gen.one.one_row:
+        raise ValueError(f"{folder}: its requests run its one-row graphs, which target_agreement measures")
+    got = [gen.teacher_forced(r["ids"], r["tokens"]) for r in refs]
+    attention = gen.manifest.batch.source.get("attention", "?")
+    return {**_agreement(refs, got, "the fp32 export, teacher-forced on its own greedy continuations"),
+            "model": f"the batched model ({attention}), in the calls a request alone makes (runtime/batch/forced.py): "
+                     "what every request on this folder runs"}
