@@ -113,6 +113,21 @@ def print_summary(report: dict) -> dict:
                   f"{level[den]['agg_tok_s']:.1f} = x{ratio:.2f}"
                   + (f"; round by round x{np.median(per_round):.2f} ({', '.join(f'x{r:.2f}' for r in per_round)})"
                      if per_round else ""))
+    # every specrt system against every peer in the run: the median rounds' ratio, and the best
+    # rounds' (these VMs have slow spells of minutes, x1.4 for whatever runs in them:
+    # docs/benchmarks.md, 2026-12-07 session 35; a system's best round is its speed outside one)
+    for clients in report["levels"]:
+        level = res.get(str(clients), {})
+        ours = [n for n in level if n.startswith("specrt")]
+        peers = [n for n in level if not n.startswith("specrt")]
+        for num in ours:
+            for den in peers:
+                med = level[num]["agg_tok_s"] / level[den]["agg_tok_s"]
+                best = max(level[num]["rounds_agg_tok_s"]) / max(level[den]["rounds_agg_tok_s"])
+                out.setdefault("pairs", []).append({"clients": clients, "numerator": num, "denominator": den,
+                                                    "median_ratio": med, "best_round_ratio": best})
+                print(f"  {clients} client{'s' if clients > 1 else ''}: {num} / {den}: x{med:.2f} (median rounds), "
+                      f"x{best:.2f} (best rounds)")
     print("batch invariance (requests equal to the same system's answer alone), by clients:")
     names = list(report["systems"])
     for s in names:
