@@ -186,11 +186,14 @@ def build_cpu(cfg: BuildConfig, out: Path, tmp: Path, progress: bool, choice: di
         if quiet.warning(timed):
             log.warning("%s", quiet.warning(timed))
     if cfg.batch:     # the vs-fp32 figure of what every request runs: the batched model, loaded as served
-        manifest_writer.save_manifest(man, tmp)
+        manifest_writer.save_manifest(man, tmp)          # (files and hashes checked once, here)
         bar.set_postfix_str("the batched model against fp32")
         man.models["batch"].parity["agreement_with_fp32"] = identity.requests_agreement(tmp, refs, cfg.threads)
-    man.build["seconds"] = round(time.perf_counter() - t_start, 1)
-    manifest_writer.save_manifest(man, tmp)
+        man.build["seconds"] = round(time.perf_counter() - t_start, 1)
+        man.save(tmp)
+    else:
+        man.build["seconds"] = round(time.perf_counter() - t_start, 1)
+        manifest_writer.save_manifest(man, tmp)
     step("manifest written")
     bar.close()
     log.info("built %s in %.0fs", out, time.perf_counter() - t_start)

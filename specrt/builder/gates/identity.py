@@ -98,7 +98,10 @@ def fp32_reference(reference_dir: Path, reference: dict, shapes: mf.Shapes, toke
     return out
 
 
-def _agreement(refs: list[dict], got: list[np.ndarray], reference: str) -> dict:
+REFERENCE = "the fp32 export, teacher-forced on its own greedy continuations"
+
+
+def _agreement(refs: list[dict], got: list[np.ndarray]) -> dict:
     agree = total = 0
     kl_sum, max_delta = 0.0, 0.0
     for r, rows in zip(refs, got):
@@ -108,7 +111,7 @@ def _agreement(refs: list[dict], got: list[np.ndarray], reference: str) -> dict:
         max_delta = max(max_delta, float(np.abs(rows - ref).max()))
         kl_sum += float(kl_rows(ref, rows).sum())
     return {"top1_agreement": agree / total if total else 0.0, "positions": total,
-            "mean_kl": kl_sum / total if total else 0.0, "max_abs_logit_delta": max_delta, "reference": reference}
+            "mean_kl": kl_sum / total if total else 0.0, "max_abs_logit_delta": max_delta, "reference": REFERENCE}
 
 
 def target_agreement(refs: list[dict], model_dir: Path, part: dict, shapes: mf.Shapes) -> dict:
@@ -126,7 +129,7 @@ def target_agreement(refs: list[dict], model_dir: Path, part: dict, shapes: mf.S
         for i in range(len(r["tokens"]) - 1):
             rows.append(gs.step("decode", seq[P + i:P + i + 1], P + i)[0].copy())
         got.append(np.stack(rows))
-    return _agreement(refs, got, "the fp32 export, teacher-forced on its own greedy continuations")
+    return _agreement(refs, got)
 
 
 def requests_agreement(folder: Path, refs: list[dict], threads: int) -> dict:
@@ -139,6 +142,6 @@ def requests_agreement(folder: Path, refs: list[dict], threads: int) -> dict:
         raise ValueError(f"{folder}: its requests run its one-row graphs, which target_agreement measures")
     got = [gen.teacher_forced(r["ids"], r["tokens"]) for r in refs]
     attention = gen.manifest.batch.source.get("attention", "?")
-    return {**_agreement(refs, got, "the fp32 export, teacher-forced on its own greedy continuations"),
+    return {**_agreement(refs, got),
             "model": f"the batched model ({attention}), in the calls a request alone makes (runtime/batch/forced.py): "
                      "what every request on this folder runs"}
